@@ -1,0 +1,103 @@
+"""`deltalang run | check | emit | fmt | info | sweep`.
+
+Every DeltaError a command meets is printed in the `file:line:col: error:` form
+and exits with status 1; a traceback reaching the user is a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from .errors import DeltaError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the bundled model)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .info import info_main
+
+    return info_main(args)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check import check_main
+
+    return check_main(args)
+
+
+def cmd_fmt(args: argparse.Namespace) -> int:
+    from .check import fmt_main
+
+    return fmt_main(args)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .run import run_main
+
+    return run_main(args)
+
+
+def cmd_emit(args: argparse.Namespace) -> int:
+    from .run import emit_main
+
+    return emit_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltalang", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="the model's blocks, kernels and which values each serves")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("check", help="check a program against a model without running it")
+    p.add_argument("file", nargs="?", help="a .dl file ('-' for standard input)")
+    p.add_argument("-e", dest="expr", help="the program text itself")
+    p.add_argument("--prompt", help="the prompt of the implicit top-level trace")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("fmt", help="print a program in canonical form")
+    p.add_argument("file", help="a .dl file ('-' for standard input)")
+    p.add_argument("--write", "-w", action="store_true", help="rewrite the file in place")
+    p.set_defaults(func=cmd_fmt)
+
+    for name, func, helptext in (("run", cmd_run, "run a program"),
+                                 ("emit", cmd_emit, "print the nnsight code a program compiles to")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("file", nargs="?", help="a .dl file ('-' for standard input)")
+        p.add_argument("-e", dest="expr", help="the program text itself")
+        p.add_argument("--prompt", help="the prompt of the implicit top-level trace")
+        _add_model_args(p)
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+        if name == "run":
+            p.add_argument("--out", help="write results.safetensors, results.json, program.dl, emitted.py here")
+        else:
+            p.add_argument("--plan", action="store_true", help="print the plan instead of the code")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except DeltaError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

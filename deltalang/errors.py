@@ -1,0 +1,110 @@
+"""DeltaError and its kinds, rendered the way mypy renders: `file:line:col: error: msg`.
+
+Every error a user can cause is a DeltaError. One that knows where in a `.dl`
+source it comes from carries a `Span`, and `render()` prints the source line
+with a caret under the span.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import attrs
+
+
+@attrs.frozen
+class Span:
+    """A region of source text: 1-based line and column, end exclusive."""
+
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+
+class DeltaError(Exception):
+    """An error a user can act on. `span`/`source`/`filename` locate it in a program."""
+
+    kind = "error"
+
+    def __init__(
+        self,
+        message: str,
+        span: Span | None = None,
+        *,
+        source: str | None = None,
+        filename: str = "<program>",
+        notes: Iterable[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.span = span
+        self.source = source
+        self.filename = filename
+        self.notes = tuple(notes)
+
+    def located(self, source: str, filename: str) -> "DeltaError":
+        """Attach the program text this error's span points into."""
+        if self.source is None:
+            self.source = source
+            self.filename = filename
+        return self
+
+    def render(self) -> str:
+        """`file:line:col: error: message`, then the source line and a caret."""
+        if self.span is None:
+            head = f"{self.filename}: {self.kind}: {self.message}" if self.source is not None else f"{self.kind}: {self.message}"
+            return "\n".join([head, *(f"  note: {n}" for n in self.notes)])
+        s = self.span
+        lines = [f"{self.filename}:{s.line}:{s.column}: {self.kind}: {self.message}"]
+        if self.source is not None:
+            src_lines = self.source.splitlines()
+            if 1 <= s.line <= len(src_lines):
+                text = src_lines[s.line - 1]
+                width = (s.end_column - s.column) if s.end_line == s.line else len(text) - s.column + 1
+                lines.append(f"    {text}")
+                lines.append("    " + " " * (s.column - 1) + "^" * max(1, width))
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render() if self.span is not None else self.message
+
+
+class DeltaSyntaxError(DeltaError):
+    """The program text does not parse."""
+
+
+class DeltaResolveError(DeltaError):
+    """The program parses but does not fit the model (a value, position, name...)."""
+
+
+class DeltaPlanError(DeltaError):
+    """The runs cannot be ordered (a cycle) or split into passes."""
+
+
+class DeltaValueError(DeltaError):
+    """A value layer error: a value missing on a block, a bad write, a bad position."""
+
+
+class DeltaModelError(DeltaError):
+    """A model cannot be loaded or is not a supported hybrid."""
+
+
+class DeltaErrors(DeltaError):
+    """Several errors of one program, reported together."""
+
+    def __init__(self, errors: list[DeltaError]) -> None:
+        super().__init__(f"{len(errors)} errors", None)
+        self.errors = errors
+
+    def located(self, source: str, filename: str) -> "DeltaErrors":
+        for e in self.errors:
+            e.located(source, filename)
+        return self
+
+    def render(self) -> str:
+        return "\n".join(e.render() for e in self.errors)
+
+    def __str__(self) -> str:
+        return self.render()

@@ -1,0 +1,213 @@
+"""The delta-rule kernels under the values: routing, chunk splitting, per-token states.
+
+transformers calls a family's kernels as globals of its modeling module
+(`torch_chunk_gated_delta_rule` for a prompt, `torch_recurrent_gated_delta_rule`
+for a one-token decode step, `causal_conv1d_fn` / `causal_conv1d_update` for the
+short convolution). `install(family)` rebinds those four names to thin
+dispatchers. Outside an nnsight trace, or inside one that asks for nothing of a
+mixer, a dispatcher calls the original function at once. Inside a trace that
+asks for a mixer's values, it hands the call to `deltalang.mixer.MixerSite`,
+which serves the values and splits the kernel where positions are asked for.
+
+Because the dispatcher is what the globals hold from the first `load_model` on,
+routing (`route_kernels`) only changes a table the dispatcher reads: it works
+after a model has been traced, and even inside a forward nnsight has compiled
+with a copy of the module's globals.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from . import families
+from .errors import DeltaValueError
+
+ROUTES = ("default", "torch")
+
+# family name -> {global name: the function transformers bound at import}
+_ORIGINALS: dict[str, dict[str, Callable[..., Any]]] = {}
+# family name -> "default" | "torch"
+_ROUTE: dict[str, str] = {}
+
+
+def _kernel_names(fam: families.Family) -> tuple[str, str, str, str]:
+    return (fam.chunk_kernel, fam.recurrent_kernel, fam.conv_fn, fam.conv_update)
+
+
+def original(fam: families.Family, name: str) -> Callable[..., Any]:
+    """The function a family's modeling module held under `name` at import."""
+    install(fam)
+    return _ORIGINALS[fam.name][name]
+
+
+def has_python_source(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is transformers' pure-torch kernel (not a compiled one without source)."""
+    mod = getattr(fn, "__module__", "") or ""
+    if not mod.startswith("transformers."):
+        return False
+    try:
+        inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    return True
+
+
+def compiled_kernels(fam: families.Family) -> dict[str, str]:
+    """Kernel names of `fam` that are bound to compiled code, with where they come from."""
+    install(fam)
+    out = {}
+    for name in _kernel_names(fam):
+        fn = _ORIGINALS[fam.name][name]
+        if not has_python_source(fn):
+            out[name] = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return out
+
+
+def install(fam: families.Family) -> None:
+    """Put the dispatchers in place of `fam`'s kernel globals (once per process)."""
+    if fam.name in _ORIGINALS:
+        return
+    module = fam.module
+    originals = {name: getattr(module, name) for name in _kernel_names(fam)}
+    _ORIGINALS[fam.name] = originals
+    _ROUTE.setdefault(fam.name, "default")
+    setattr(module, fam.chunk_kernel, _make_dispatch(fam, "chunk", originals[fam.chunk_kernel]))
+    setattr(module, fam.recurrent_kernel, _make_dispatch(fam, "recurrent", originals[fam.recurrent_kernel]))
+    setattr(module, fam.conv_fn, _make_dispatch(fam, "conv", originals[fam.conv_fn]))
+    setattr(module, fam.conv_update, _make_dispatch(fam, "conv_update", originals[fam.conv_update]))
+
+
+def uninstall(fam: families.Family) -> None:
+    """Put back exactly the functions transformers bound at import."""
+    originals = _ORIGINALS.pop(fam.name, None)
+    if originals is None:
+        return
+    for name, fn in originals.items():
+        setattr(fam.module, name, fn)
+
+
+def route_kernels(family: Any, route: str = "torch") -> None:
+    """Route a family's prompt kernel: `"torch"` = token by token, `"default"` = chunked.
+
+    Process-wide, like installing a kernel package, and for every model of the
+    family. Works before or after a model was traced. `"default"` restores the
+    import-time routing exactly: the dispatcher then calls the very functions
+    transformers bound.
+    """
+    if route not in ROUTES:
+        raise DeltaValueError(f"unknown route {route!r}; one of {', '.join(ROUTES)}")
+    fam = families.resolve(family)
+    install(fam)
+    _ROUTE[fam.name] = route
+
+
+def current_route(family: Any) -> str:
+    return _ROUTE.get(families.resolve(family).name, "default")
+
+
+def prompt_kernel(fam: families.Family) -> Callable[..., Any]:
+    """The kernel a prompt runs through under the current route."""
+    install(fam)
+    name = fam.recurrent_kernel if _ROUTE[fam.name] == "torch" else fam.chunk_kernel
+    return _ORIGINALS[fam.name][name]
+
+
+def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    from .mixer import current_site
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        site = current_site()
+        if which == "chunk":
+            if site is not None and site.active():
+                return site.kernel(prompt_kernel(fam), False, *args, **kwargs)
+            if _ROUTE[fam.name] == "torch":
+                kwargs.pop("chunk_size", None)
+                return _ORIGINALS[fam.name][fam.recurrent_kernel](*args, **kwargs)
+            return fn(*args, **kwargs)
+        if which == "recurrent":
+            if site is not None and site.active():
+                return site.kernel(fn, True, *args, **kwargs)
+            return fn(*args, **kwargs)
+        if which == "conv":
+            if site is not None and site.active():
+                return site.conv(fn, *args, **kwargs)
+            return fn(*args, **kwargs)
+        if site is not None and site.active():
+            return site.conv_update(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    dispatch.__name__ = getattr(fn, "__name__", which)
+    dispatch.__qualname__ = f"deltalang_dispatch.{dispatch.__name__}"
+    dispatch.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
+    return dispatch
+
+
+# --------------------------------------------------------------------------
+# The delta rule itself, for what transformers' kernels do not give: the
+# state after every token, and one token's read of a replaced state.
+# --------------------------------------------------------------------------
+
+
+def prepare(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            g: torch.Tensor, beta: torch.Tensor, use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
+    """The kernel's own preprocessing: float32, heads first, l2-norm, 1/sqrt(dk), repeated heads.
+
+    Returns q, k, v `[b, h, s, d]`, g `[b, h, s]` (Kimi: `[b, h, s, dk]`), beta `[b, h, s]`.
+    """
+    l2norm = getattr(fam.module, "l2norm")
+    heads = value.shape[-2]
+    if key.shape[-2] != heads:
+        rep = heads // key.shape[-2]
+        query = query.repeat_interleave(rep, dim=2)
+        key = key.repeat_interleave(rep, dim=2)
+    q, k, v, b_ = (x.transpose(1, 2).to(torch.float32) for x in (query, key, value, beta))
+    gg = g.transpose(1, 2).to(torch.float32)
+    if use_qk_l2norm:
+        q = l2norm(q, dim=-1, eps=1e-6)
+        k = l2norm(k, dim=-1, eps=1e-6)
+    q = q * (q.shape[-1] ** -0.5)
+    return q, k, v, gg, b_
+
+
+def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
+              use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule token by token, written with matmuls, keeping every state.
+
+    Returns (outputs `[b, s, h, dv]` in the query dtype, states `[b, s, h, dk, dv]` float32).
+    """
+    q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    S = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=v.device) if initial_state is None
+         else initial_state.to(torch.float32))
+    states = torch.empty(b, s, h, dk, dv, dtype=torch.float32, device=v.device)
+    out = torch.empty(b, h, s, dv, dtype=torch.float32, device=v.device)
+    decay = gg.exp()
+    for t in range(s):
+        if decay.dim() == 4:  # per key channel (Kimi)
+            S = S * decay[:, :, t, :, None]
+        else:
+            S = S * decay[:, :, t, None, None]
+        kt = k[:, :, t, None, :]  # [b, h, 1, dk]
+        delta = (v[:, :, t, None, :] - kt @ S) * bb[:, :, t, None, None]  # [b, h, 1, dv]
+        S = S + kt.transpose(-1, -2) @ delta
+        out[:, :, t] = (q[:, :, t, None, :] @ S)[:, :, 0]
+        states[:, t] = S
+    return out.transpose(1, 2).to(query.dtype), states
+
+
+def read_state(fam: families.Family, query_t: torch.Tensor, state: torch.Tensor, heads: int,
+               use_qk_l2norm: bool) -> torch.Tensor:
+    """One token's read of a state: `q_t @ S`, as the kernel computes it. query_t `[b, hk, dk]`."""
+    l2norm = getattr(fam.module, "l2norm")
+    q = query_t.to(torch.float32)
+    if q.shape[-2] != heads:
+        q = q.repeat_interleave(heads // q.shape[-2], dim=1)
+    if use_qk_l2norm:
+        q = l2norm(q, dim=-1, eps=1e-6)
+    q = q * (q.shape[-1] ** -0.5)
+    return (q[:, :, None, :] @ state.to(torch.float32))[:, :, 0].to(query_t.dtype)

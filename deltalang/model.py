@@ -1,0 +1,146 @@
+"""Loading a hybrid checkpoint as an nnsight model that serves the DeltaNet values.
+
+`load_model()` opens the bundled model; `load_model(path_or_id)` any checkpoint
+of the five families. The result is an nnsight `LanguageModel` with:
+
+- `.layers[i].linear_attn`: every family's DeltaNet mixer under one name
+  (Kimi-Linear's lives at `self_attn` and is aliased), serving the values of
+  DESIGN section 1 (`deltalang.mixer.DeltaNetEnvoy`);
+- `.logits`, `.next_token_probs` inside a trace;
+- `.family`, `.spec`, `.support()` / `.support(layer=i)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from nnsight import LanguageModel
+
+from . import families, kernels, values
+from .errors import DeltaModelError
+from .mixer import DeltaNetEnvoy, MixerSite
+from .spec import ModelSpec, load_config, load_tokenizer, spec_from_config, _display_id
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise DeltaModelError(f"unknown dtype {dtype!r}; one of {', '.join(_DTYPES)}") from None
+
+
+class DeltaModel(LanguageModel):
+    """An nnsight LanguageModel over a gated-DeltaNet hybrid, with deltalang's values."""
+
+    spec: ModelSpec
+    family: families.Family
+
+    @property
+    def layers(self) -> Any:
+        """The decoder blocks (an envoy list), wherever the architecture keeps them."""
+        inner = self.model
+        if hasattr(inner, "language_model"):
+            inner = inner.language_model
+        return inner.layers
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The model's logits, [b, s, vocab] (inside a trace)."""
+        out = self.lm_head.output
+        return out
+
+    @property
+    def next_token_probs(self) -> torch.Tensor:
+        """The distribution over the next token after each prompt, [b, vocab] (inside a trace)."""
+        return self.lm_head.output[:, -1].float().softmax(dim=-1)
+
+    def linear_layers(self) -> list[int]:
+        return self.spec.linear_layers()
+
+    def support(self, layer: int | None = None) -> dict[str, Any]:
+        """Which values each block serves: `"available"` or the reason it is not.
+
+        `support()` maps `"linear_attn.states"` etc. to a list over blocks;
+        `support(layer=i)` to block i's entry.
+        """
+        from .info import support_table
+
+        table = support_table(self.spec)
+        if layer is None:
+            return table
+        if not 0 <= layer < self.spec.num_layers:
+            raise DeltaModelError(f"no block L{layer}: the model has {self.spec.num_layers} blocks")
+        return {key: per_layer[layer] for key, per_layer in table.items()}
+
+
+def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
+               dtype: str | torch.dtype | None = None, *, trust_remote_code: bool = False,
+               device_map: str | None = None) -> DeltaModel:
+    """Load a hybrid checkpoint: None = the bundled model, a local directory, or a hub id."""
+    where, config = load_config(name_or_path, trust_remote_code)
+    spec = spec_from_config(_display_id(name_or_path, where), config, None)
+    fam = spec.family
+    kernels.install(fam)
+    tokenizer = load_tokenizer(where, trust_remote_code)
+
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        kwargs["dtype"] = parse_dtype(dtype)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    except (OSError, ValueError) as e:
+        raise DeltaModelError(f"cannot load the weights of {where!r}: {str(e).splitlines()[0]}") from None
+    if device_map is None:
+        hf = hf.to(device)
+    hf.eval()
+
+    sites = _attach_sites(hf, spec)
+    rename = {fam.mixer_type: "linear_attn"} if fam.mixer_attr != "linear_attn" else None
+    model = DeltaModel(hf, tokenizer=tokenizer, envoys={fam.mixer_type: DeltaNetEnvoy}, rename=rename)
+    import attrs
+
+    model.spec = attrs.evolve(spec, tokenizer=tokenizer)
+    model.family = fam
+    for layer, site in sites.items():
+        envoy = model.layers[layer].linear_attn
+        site.bind(model.interleaver, envoy.path)
+    return model
+
+
+def _layers_of(hf: torch.nn.Module) -> torch.nn.ModuleList:
+    inner = getattr(hf, "model", hf)
+    if hasattr(inner, "language_model"):
+        inner = inner.language_model
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise DeltaModelError(f"cannot find the decoder blocks of {type(hf).__name__}")
+    return layers
+
+
+def _attach_sites(hf: torch.nn.Module, spec: ModelSpec) -> dict[int, MixerSite]:
+    sites: dict[int, MixerSite] = {}
+    mixer_type = spec.family.mixer_type
+    for i, block in enumerate(_layers_of(hf)):
+        if spec.kind(i) != values.DELTANET:
+            continue
+        mixer = getattr(block, spec.family.mixer_attr, None)
+        if not isinstance(mixer, mixer_type):
+            raise DeltaModelError(
+                f"block {i} is a linear_attention block but holds no {spec.family.mixer_class}")
+        site = getattr(mixer, "_deltalang_site", None)
+        if site is None:
+            site = MixerSite(mixer, spec.family, i, spec.dims)
+            mixer._deltalang_site = site
+        sites[i] = site
+    return sites

@@ -1,0 +1,165 @@
+"""What a program is checked against: a model's shape, from its config and tokenizer only.
+
+A `ModelSpec` never holds weights, so `deltalang check` is instant on any
+checkpoint. It answers: how many blocks, which kind each is, the mixer's
+dimensions, whether a value exists on a block (and why not), and how a prompt
+tokenizes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from . import families, values
+from .errors import DeltaModelError
+
+
+@attrs.frozen
+class ModelSpec:
+    """The config-level facts of a hybrid model."""
+
+    model_id: str
+    family: families.Family
+    layer_types: tuple[str, ...]
+    dims: dict[str, int]
+    tokenizer: Any = attrs.field(eq=False, repr=False)
+    config: Any = attrs.field(eq=False, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def kind(self, layer: int) -> str:
+        """`deltanet` or `attention`."""
+        return values.DELTANET if self.layer_types[layer] in families.LINEAR_LAYER_TYPES else values.ATTENTION
+
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.kind(i) == values.DELTANET]
+
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.kind(i) == values.ATTENTION]
+
+    def unavailable(self, layer: int, value: str) -> str | None:
+        """Why `value` does not exist on block `layer`, or None if it does."""
+        v = values.get(value)
+        if v is None:
+            return f"no value named {value!r}"
+        if not 0 <= layer < self.num_layers:
+            return f"no block L{layer}: the model has {self.num_layers} blocks (L0..L{self.num_layers - 1})"
+        kind = self.kind(layer)
+        if kind not in v.kinds:
+            return f"no DeltaNet mixer on this block ({self.layer_types[layer]})"
+        return None
+
+    def tokens(self, text: str) -> list[str]:
+        """The prompt's tokens as strings, as the model sees them (specials included)."""
+        ids = self.tokenizer(text)["input_ids"]
+        return [self.tokenizer.decode([i]) for i in ids]
+
+    def token_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+
+def _resolve_path(name_or_path: str | Path | None) -> str:
+    from .bundled import PATH
+
+    if name_or_path is None:
+        if not (PATH / "config.json").exists():
+            raise DeltaModelError(
+                f"the bundled model is missing from {PATH}; reinstall deltalang or run scripts/train_bundled.py")
+        return str(PATH)
+    return str(name_or_path)
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout)
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+    finally:
+        socket.setdefaulttimeout(old)
+
+
+def load_config(name_or_path: str | Path | None, trust_remote_code: bool = False) -> tuple[str, Any]:
+    """(resolved path or id, config): a local directory, the local HF cache, else the hub."""
+    from transformers import AutoConfig
+
+    where = _resolve_path(name_or_path)
+    local = Path(where)
+    if local.exists() and not local.is_dir():
+        raise DeltaModelError(f"cannot load model {where!r}: it is a file, not a checkpoint directory")
+    if local.is_dir() and not (local / "config.json").exists():
+        raise DeltaModelError(f"cannot load model {where!r}: the directory has no config.json")
+    try:
+        return where, AutoConfig.from_pretrained(where, local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise DeltaModelError(f"cannot load model {where!r}: {str(e).splitlines()[0]}") from None
+    except OSError:
+        if local.is_dir():
+            raise DeltaModelError(f"cannot load model {where!r}: its config.json does not parse") from None
+    if not _hub_reachable():
+        raise DeltaModelError(
+            f"cannot load model {where!r}: no such local directory, not in the local Hugging Face cache, "
+            f"and the hub is unreachable from here; download it where a hub is reachable and pass its "
+            f"directory (--model /path/to/checkpoint)")
+    try:
+        return where, AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DeltaModelError(f"cannot load model {where!r}: {str(e).splitlines()[0]}") from None
+
+
+def text_config(config: Any) -> Any:
+    text = getattr(config, "text_config", None)
+    return text if text is not None else config
+
+
+def spec_from_config(model_id: str, config: Any, tokenizer: Any) -> ModelSpec:
+    fam = families.for_config(config)
+    if fam is None:
+        raise DeltaModelError(
+            f"model {model_id!r} is a {getattr(config, 'model_type', '?')!r} model, not a supported hybrid; "
+            f"deltalang supports {families.supported_names()}")
+    tc = text_config(config)
+    layer_types = tuple(getattr(tc, "layer_types", None) or ())
+    if not layer_types:
+        raise DeltaModelError(f"model {model_id!r} has no layer_types in its config")
+    return ModelSpec(model_id, fam, layer_types, fam.dims(tc), tokenizer, config)
+
+
+def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DeltaModelError(f"cannot load the tokenizer of {where!r}: {str(e).splitlines()[0]}") from None
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_spec(name_or_path: str | Path | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """A ModelSpec for a checkpoint, reading only its config and tokenizer."""
+    where, config = load_config(name_or_path, trust_remote_code)
+    spec = spec_from_config(_display_id(name_or_path, where), config, None)
+    return attrs.evolve(spec, tokenizer=load_tokenizer(where, trust_remote_code))
+
+
+def _display_id(name_or_path: str | Path | None, where: str) -> str:
+    from .bundled import NAME
+
+    return NAME if name_or_path is None else where
