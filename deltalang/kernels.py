@@ -111,8 +111,27 @@ def current_route(family: Any) -> str:
 def prompt_kernel(fam: families.Family) -> Callable[..., Any]:
     """The kernel a prompt runs through under the current route."""
     install(fam)
-    name = fam.recurrent_kernel if _ROUTE[fam.name] == "torch" else fam.chunk_kernel
-    return _ORIGINALS[fam.name][name]
+    if _ROUTE[fam.name] == "torch":
+        return token_by_token(fam)
+    return _ORIGINALS[fam.name][fam.chunk_kernel]
+
+
+_TOKEN_KERNELS: dict[str, Callable[..., Any]] = {}
+
+
+def token_by_token(fam: families.Family) -> Callable[..., Any]:
+    """`per_token` with the signature of transformers' kernels: the routed prompt kernel."""
+    if fam.name not in _TOKEN_KERNELS:
+        def kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                   output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                   **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            out, states = per_token(fam, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
+            return out, (states[:, -1] if output_final_state else None)
+
+        kernel.__name__ = f"deltalang_token_by_token_{fam.name}"
+        _TOKEN_KERNELS[fam.name] = kernel
+    return _TOKEN_KERNELS[fam.name]
 
 
 def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -125,7 +144,7 @@ def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> 
                 return site.kernel(prompt_kernel(fam), False, *args, **kwargs)
             if _ROUTE[fam.name] == "torch":
                 kwargs.pop("chunk_size", None)
-                return _ORIGINALS[fam.name][fam.recurrent_kernel](*args, **kwargs)
+                return token_by_token(fam)(*args, **kwargs)
             return fn(*args, **kwargs)
         if which == "recurrent":
             if site is not None and site.active():
@@ -163,8 +182,8 @@ def prepare(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value:
         rep = heads // key.shape[-2]
         query = query.repeat_interleave(rep, dim=2)
         key = key.repeat_interleave(rep, dim=2)
-    q, k, v, b_ = (x.transpose(1, 2).to(torch.float32) for x in (query, key, value, beta))
-    gg = g.transpose(1, 2).to(torch.float32)
+    # contiguous, so that a slice of the sequence reduces in the same order as the whole
+    q, k, v, b_, gg = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (query, key, value, beta, g))
     if use_qk_l2norm:
         q = l2norm(q, dim=-1, eps=1e-6)
         k = l2norm(k, dim=-1, eps=1e-6)

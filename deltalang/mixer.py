@@ -191,14 +191,23 @@ class MixerSite:
 
         s = query.shape[1]
         if self.wants("states"):
-            out, states = kernels.per_token(self.family, query, key, value, g, beta, initial, l2)
+            # every position: the token-by-token kernel, once; segments before any write are
+            # slices of it, so `states` and `state_after(t)` agree bit for bit
+            token_fn = kernels.token_by_token(self.family)
+            full, states = kernels.per_token(self.family, query, key, value, g, beta, initial, l2)
             self.serve("states", states, step)  # read-only: a write is refused on the user side
-            pieces, state = [out], states[:, -1]
-            positions = self.positions("state_after", step)
-            if positions:  # reads and writes at positions, on the per-token states
-                pieces, state = self._split(run, s, initial, step, query, l2)
-        else:
-            pieces, state = self._split(run, s, initial, step, query, l2)
+            clean = [initial]
+
+            def run(a: int, b: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                if state is clean[-1]:
+                    clean.append(states[:, b - 1])
+                    return full[:, a:b], clean[-1]
+                out, final = token_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b],
+                                      beta=beta[:, a:b], initial_state=state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2)
+                return out, final
+
+        pieces, state = self._split(run, s, initial, step, query, l2)
         out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         out = self.serve("attention_head_outputs", out, step)
         final = self.serve("state_output", state, step)

@@ -67,6 +67,7 @@ def tiny_config(family: str, vocab_size: int = 259) -> Any:
         cfg.architectures = ["OlmoHybridForCausalLM"]
     elif family == "kimi_linear":
         common.pop("head_dim")
+        common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one kv head per head
         cfg = tf.KimiLinearConfig(
             intermediate_size=128, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
             n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
@@ -101,3 +102,16 @@ def _enlarge_random_weights(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 1.0 / max(1.0, p.shape[1]) ** 0.5)
             elif "embed" in name:
                 p.normal_(0.0, 1.0)
+
+
+_BUILT: dict[str, Path] = {}
+
+
+def tiny_checkpoint(family: str) -> Path:
+    """A tiny checkpoint of `family`, built once per process in a temporary directory."""
+    import tempfile
+
+    if family not in _BUILT:
+        root = Path(tempfile.mkdtemp(prefix="deltalang-tiny-"))
+        _BUILT[family] = build_tiny(family, root / family)
+    return _BUILT[family]

@@ -29,8 +29,9 @@ class Value:
 
 
 # `order` follows the mixer's forward: the convolution runs before the kernel,
-# the kernel's inputs before its outputs, the mixer's output last, the block's
-# residual output after that.
+# the kernel's inputs before its outputs (the head outputs are served once the
+# last segment has run, then the final state), the mixer's output last, the
+# block's residual output after that.
 CATALOGUE: dict[str, Value] = {
     v.name: v
     for v in (
@@ -55,11 +56,11 @@ CATALOGUE: dict[str, Value] = {
               order=40, per_token=True),
         Value("state_after", "[b, heads, key_dim, value_dim]", "the state after token t",
               writable=True, positional=True, order=50),
-        Value("state_output", "[b, heads, key_dim, value_dim]", "the state after the call's last token",
-              writable=True, order=60),
         Value("attention_head_outputs", "[b, s, heads, value_dim]",
               "each head's read of the state, before the gated norm and output projection",
-              writable=True, order=70, per_token=True),
+              writable=True, order=55, per_token=True),
+        Value("state_output", "[b, heads, key_dim, value_dim]", "the state after the call's last token",
+              writable=True, order=60),
         Value("attention_output", "[b, s, hidden]", "what the mixer adds to the residual stream",
               writable=True, order=80, kernel=False, per_token=True),
         Value("output", "[b, s, hidden]", "the block's output: the residual stream after it",

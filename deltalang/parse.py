@@ -1,0 +1,684 @@
+"""Program text -> `deltalang.ast.Program`, with every slip reported as a DeltaSyntaxError.
+
+Lark (LALR, contextual lexer) turns the text into a parse tree; the functions
+below turn that tree into AST nodes with spans. The grammar is generous on
+purpose (sites, sources and measures are all dotted paths, every statement is
+allowed everywhere), so that the messages for the common slips are written
+here, in words a researcher knows, rather than by Lark. A Lark exception or a
+Python traceback reaching the user is a bug.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, NoReturn, Sequence
+
+from lark import Lark, Token, Tree
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.lark import PostLex
+
+from . import ast
+from .errors import DeltaError, DeltaErrors, DeltaSyntaxError, Span
+
+GRAMMAR_PATH = Path(__file__).resolve().parent / "grammar" / "deltalang.lark"
+
+# statement keywords, in the order a message lists them
+STATEMENTS = ("read", "write", "measure", "route", "step", "trace", "generate", "sweep",
+              "prompt", "prompts", "model")
+KEYWORDS = frozenset(STATEMENTS + ("on", "over", "in", "max_new_tokens", "as", "from"))
+MEASURES = ("prob", "logit_diff", "kl", "norm", "rank")
+KERNELS = ("torch", "default")
+BLOCK_KINDS = ("linear", "attention")
+
+
+# ---- the Lark parser -------------------------------------------------------
+
+
+class _Layout(PostLex):
+    """Drop statement separators inside (...) and [...], so that lists may span lines."""
+
+    always_accept = ("_SEP",)
+
+    def process(self, stream: Iterator[Token]) -> Iterator[Token]:
+        depth = 0
+        for tok in stream:
+            if tok.type in ("LPAR", "LSQB"):
+                depth += 1
+            elif tok.type in ("RPAR", "RSQB"):
+                depth = max(0, depth - 1)
+            elif tok.type == "_SEP" and depth:
+                continue
+            yield tok
+
+
+@functools.cache
+def _lark() -> Lark:
+    """The parser, built once per process."""
+    return Lark(GRAMMAR_PATH.read_text(encoding="utf-8"), parser="lalr", lexer="contextual",
+                propagate_positions=True, maybe_placeholders=True, postlex=_Layout())
+
+
+# ---- entry point -------------------------------------------------------------
+
+
+def parse(text: str, filename: str = "<program>") -> ast.Program:
+    """Parse a program. Raises DeltaSyntaxError (or DeltaErrors) located in `text`."""
+    try:
+        tree = _lark().parse(text)
+    except UnexpectedInput as e:
+        raise _from_lark(e, text).located(text, filename) from None
+    builder = _Builder(text)
+    program = builder.program(tree)
+    if builder.errors:
+        errs: list[DeltaError] = sorted(builder.errors, key=_err_key)
+        raise (errs[0] if len(errs) == 1 else DeltaErrors(errs)).located(text, filename)
+    return program
+
+
+def _err_key(e: DeltaError) -> tuple[int, int]:
+    return (e.span.line, e.span.column) if e.span is not None else (0, 0)
+
+
+# ---- Lark errors -> DeltaSyntaxError -------------------------------------------
+
+_DESCRIBE = {
+    "NAME": "a name", "STRING": "a quoted string", "INT": "a whole number", "FLOAT": "a number",
+    "LAYER": "a block like L3", "LSTAR": "L*", "_SEP": "a newline or ';'", "$END": "the end of the program",
+    "_DOTDOT": "'..'", "_SCALE": "'*='",
+}
+
+
+def _describe_expected(name: str) -> str:
+    if name in _DESCRIBE:
+        return _DESCRIBE[name]
+    for t in _lark().terminals:
+        if t.name == name:
+            return f"'{t.pattern.value}'"
+    return name.lower()
+
+
+def _describe_token(tok: Token) -> str:
+    if tok.type == "$END":
+        return "the end of the program"
+    if tok.type == "_SEP":
+        return "';'" if tok.value.startswith(";") else "the end of the line"
+    if tok.type == "STRING":
+        return f"the string {tok.value}"
+    return f"'{tok.value}'"
+
+
+def _or_list(items: Sequence[str]) -> str:
+    items = list(dict.fromkeys(items))
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _end_span(text: str) -> Span:
+    lines = text.split("\n")
+    line = len(lines)
+    col = len(lines[-1]) + 1
+    # point at the last non-empty line rather than after a trailing newline
+    while line > 1 and not lines[line - 1].strip():
+        line -= 1
+        col = len(lines[line - 1].rstrip()) + 1
+    return Span(line, col, line, col + 1)
+
+
+def _token_span(tok: Token, text: str) -> Span:
+    if tok.type == "$END" or tok.line is None or tok.column is None:
+        return _end_span(text)
+    if tok.type == "_SEP":
+        return Span(tok.line, tok.column, tok.line, tok.column + 1)
+    end_line = tok.end_line or tok.line
+    end_col = tok.end_column or tok.column + max(1, len(tok.value))
+    return Span(tok.line, tok.column, end_line, end_col)
+
+
+def _line_of(text: str, line: int) -> str:
+    lines = text.split("\n")
+    return lines[line - 1] if 1 <= line <= len(lines) else ""
+
+
+def _unclosed_brace(text: str) -> Span | None:
+    """The `{` left open at the end of `text`, skipping strings and comments."""
+    stack: list[Span] = []
+    for n, line in enumerate(text.split("\n"), start=1):
+        i, in_str = 0, False
+        while i < len(line):
+            c = line[i]
+            if in_str:
+                if c == "\\":
+                    i += 1
+                elif c == '"':
+                    in_str = False
+            elif c == '"':
+                in_str = True
+            elif c == "#":
+                break
+            elif c == "{":
+                stack.append(Span(n, i + 1, n, i + 2))
+            elif c == "}" and stack:
+                stack.pop()
+            i += 1
+    return stack[-1] if stack else None
+
+
+def _from_lark(e: UnexpectedInput, text: str) -> DeltaSyntaxError:
+    """A friendly DeltaSyntaxError for a Lark error."""
+    if isinstance(e, UnexpectedCharacters):
+        return _bad_character(e, text)
+    if isinstance(e, UnexpectedEOF):
+        tok = Token("$END", "")
+        return _unexpected_token(tok, set(e.expected), text, None)
+    if isinstance(e, UnexpectedToken):
+        prev, expected = None, set(e.expected)
+        if e.interactive_parser is not None:
+            prev = _previous_token(e.interactive_parser)
+            try:  # what the parser truly accepts (the lexer's set includes _SEP everywhere)
+                expected = set(e.interactive_parser.accepts()) or expected
+            except Exception:  # noqa: BLE001 - only a better message is at stake
+                pass
+        return _unexpected_token(e.token, expected, text, prev)
+    return DeltaSyntaxError("the program does not parse", _end_span(text))
+
+
+def _previous_token(ip: Any) -> Token | None:
+    """The token Lark shifted last before an error, when it kept one."""
+    try:
+        stack = ip.parser_state.value_stack
+    except AttributeError:
+        return None
+    for v in reversed(stack):
+        if isinstance(v, Token):
+            return v
+        if isinstance(v, Tree):
+            toks = [t for t in v.scan_values(lambda x: isinstance(x, Token))]
+            if toks:
+                return toks[-1]
+            return None
+    return None
+
+
+def _bad_character(e: UnexpectedCharacters, text: str) -> DeltaSyntaxError:
+    line, col = e.line, e.column
+    src = _line_of(text, line)
+    char = e.char
+    if char == '"':
+        return DeltaSyntaxError(
+            "unterminated string: a string needs its closing '\"' on the same line",
+            Span(line, col, line, len(src) + 1),
+            notes=['write \\" for a quote inside a string and \\n for a newline'])
+    if char == "'":
+        return DeltaSyntaxError("strings use double quotes: \"...\"", Span(line, col, line, col + 1))
+    if char == "\\":
+        return DeltaSyntaxError("a backslash only appears inside a string", Span(line, col, line, col + 1))
+    if char in "\r":
+        return DeltaSyntaxError("a carriage return without a newline", Span(line, col, line, col + 1))
+    shown = char if char.isprintable() else repr(char)
+    hint = ""
+    if char == "L" and src[col - 1:col + 2].startswith("L-"):
+        hint = "; a block number is not negative (L[-1] is the last block)"
+    return DeltaSyntaxError(f"unexpected character '{shown}'{hint}", Span(line, col, line, col + 1))
+
+
+_STMT_TERMS = {k.upper() for k in STATEMENTS}
+
+
+def _unexpected_token(tok: Token, expected: set[str], text: str, prev: Token | None) -> DeltaSyntaxError:
+    span = _token_span(tok, text)
+    exp = {x for x in expected if x not in ("COMMENT",)}
+    at_statement_start = bool(exp & _STMT_TERMS)
+
+    if tok.type == "$END":
+        if "LBRACE" in exp:
+            return DeltaSyntaxError("a run needs a body: '{', the statements it runs, then '}'", span)
+        if "RBRACE" in exp:
+            brace = _unclosed_brace(text)
+            return DeltaSyntaxError("missing '}': the block opened here is never closed", brace or span)
+        return DeltaSyntaxError(
+            f"the program ends in the middle of a statement: expected {_expected_words(exp)}", span)
+
+    if tok.type == "RBRACE" and "RBRACE" not in exp:
+        if _unclosed_brace(text[: _offset(text, span)]) is None:
+            return DeltaSyntaxError("unmatched '}': no block is open here", span)
+        return DeltaSyntaxError(
+            f"the statement is not finished before '}}': expected {_expected_words(exp)}", span)
+
+    if at_statement_start:
+        if tok.type == "NAME":
+            guess = difflib.get_close_matches(tok.value, STATEMENTS, n=1, cutoff=0.6)
+            if guess:
+                return DeltaSyntaxError(f"unknown statement '{tok.value}'; did you mean '{guess[0]}'?", span)
+            return DeltaSyntaxError(
+                f"unknown statement '{tok.value}': a statement starts with {_or_list(STATEMENTS)}", span)
+        if tok.type in ("LAYER", "LSTAR") or (tok.type == "NAME"):
+            rest = _line_of(text, span.line)[span.column - 1:].split("#")[0].split(";")[0].strip()
+            return DeltaSyntaxError(
+                f"a statement starts with a keyword; did you mean 'read {rest}'?", span)
+        if tok.type == "LBRACE":
+            return DeltaSyntaxError(
+                "a block needs a run header first: trace NAME on PROMPT { ... }", span)
+        return DeltaSyntaxError(
+            f"unexpected {_describe_token(tok)}: a statement starts with {_or_list(STATEMENTS)}", span)
+
+    if tok.type.upper() in _STMT_TERMS and "_SEP" in exp:
+        return DeltaSyntaxError(
+            f"'{tok.value}' starts a new statement: put a newline or ';' before it", span)
+
+    if prev is not None and prev.type == "NAME" and prev.value == "L" and tok.type == "INT":
+        return DeltaSyntaxError(
+            "a block is L3, L*, L[linear], L[attention], L[0:6] or L[0,2,4]; L[-1] is the last block", span)
+    if prev is not None and prev.type == "INT" and tok.type == "DOT":
+        return DeltaSyntaxError("expected a whole number here (a position or a block number)", span)
+    if prev is not None and prev.type == "DOT" and tok.type != "$END":
+        return DeltaSyntaxError(f"expected a value after '.', found {_describe_token(tok)}", span)
+    if tok.type in ("INT", "FLOAT") and prev is not None and prev.type == "EQUAL" and "NAME" in exp:
+        return DeltaSyntaxError(
+            f"after '=' comes zeros, the name of a read, or mean(PROMPTS); to scale write '*= {tok.value}'",
+            span)
+    if tok.type == "FLOAT" and "INT" in exp:
+        return DeltaSyntaxError(f"expected a whole number, found '{tok.value}'", span)
+    if tok.type == "_SEP" and exp == {"LBRACE"}:
+        return DeltaSyntaxError("a run needs a body: '{' and the statements it runs, then '}'", span)
+
+    if len(exp) > 6:
+        return DeltaSyntaxError(f"unexpected {_describe_token(tok)}", span)
+    return DeltaSyntaxError(f"expected {_expected_words(exp)}, found {_describe_token(tok)}", span)
+
+
+def _offset(text: str, span: Span) -> int:
+    lines = text.split("\n")
+    return sum(len(x) + 1 for x in lines[: span.line - 1]) + span.column - 1
+
+
+def _expected_words(exp: set[str]) -> str:
+    if "FLOAT" in exp:
+        exp = exp - {"INT"}
+    words = sorted(_describe_expected(x) for x in exp)
+    if len(words) > 6:
+        return "a statement" if exp & _STMT_TERMS else "something else here"
+    return _or_list(words)
+
+
+# ---- parse tree -> AST ------------------------------------------------------
+
+_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t"}
+
+
+class _Builder:
+    """Turns Lark's parse tree into AST nodes, collecting every error it meets."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.errors: list[DeltaError] = []
+
+    # -- helpers --
+
+    def fail(self, message: str, span: Span, notes: Sequence[str] = ()) -> NoReturn:
+        raise _Abandon(DeltaSyntaxError(message, span, notes=notes))
+
+    def collect(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn`; on an error, record it and return None (the node is dropped)."""
+        try:
+            return fn()
+        except _Abandon as a:
+            self.errors.append(a.error)
+            return None
+
+    def span(self, node: Tree | Token) -> Span:
+        if isinstance(node, Token):
+            return Span(node.line or 0, node.column or 0, node.end_line or node.line or 0,
+                        node.end_column or (node.column or 0) + len(node.value))
+        m = node.meta
+        if getattr(m, "empty", True):
+            return ast.NOSPAN
+        return Span(m.line, m.column, m.end_line, m.end_column)
+
+    def string(self, tok: Token) -> str:
+        """The text of a STRING token, escapes decoded."""
+        body = tok.value[1:-1]
+        out: list[str] = []
+        i = 0
+        while i < len(body):
+            c = body[i]
+            if c == "\\":
+                nxt = body[i + 1]
+                if nxt not in _ESCAPES:
+                    col = (tok.column or 0) + 1 + i
+                    self.fail(f"unknown escape '\\{nxt}' in a string: the escapes are \\\" \\\\ \\n \\t",
+                              Span(tok.line or 0, col, tok.line or 0, col + 2))
+                out.append(_ESCAPES[nxt])
+                i += 2
+            else:
+                out.append(c)
+                i += 1
+        return "".join(out)
+
+    def name(self, tok: Token, what: str) -> str:
+        """A NAME token that defines something: not a keyword."""
+        if tok.value in KEYWORDS:
+            self.fail(f"'{tok.value}' is a keyword and cannot name {what}", self.span(tok))
+        return str(tok.value)
+
+    # -- program and items --
+
+    def program(self, tree: Tree) -> ast.Program:
+        items: list[ast.Item] = []
+        for child in tree.children:
+            if child is None:
+                continue
+            node = self.collect(lambda c=child: self.item(c, context=None))
+            if node is not None:
+                items.append(node)
+        return ast.Program(tuple(items), comments=tuple(_comments(self.text)), span=self.span(tree))
+
+    def item(self, tree: Tree, context: Tree | None, in_step: bool = False) -> Any:
+        """One item: a declaration, a run, or a statement, checked against where it stands."""
+        kind = tree.data
+        sp = self.span(tree)
+        where = self.describe_run(context) if context is not None else ""
+        if kind in ("model_decl", "prompt_decl", "prompts_decl"):
+            word = {"model_decl": "model", "prompt_decl": "prompt", "prompts_decl": "prompts"}[kind]
+            if context is not None:
+                self.fail(f"'{word}' is a declaration: put it at the top level, outside {where}", sp)
+            return getattr(self, kind)(tree)
+        if kind in ("trace", "generate", "sweep"):
+            if context is not None:
+                self.fail(f"runs do not nest: close {where} with '}}' before starting '{kind}'", sp)
+            return getattr(self, kind)(tree)
+        if kind == "step":
+            if in_step:
+                self.fail("one 'step' per statement: 'step 1: step 2: ...' is not allowed", sp)
+            if context is None or context.data != "generate":
+                inside = f"; {where} runs one forward pass" if context is not None and context.data == "trace" else ""
+                if context is not None and context.data == "sweep":
+                    inside = f"; {where} is a sweep of traces"
+                self.fail(f"'step' only works inside a generate block{inside}", sp,
+                          notes=["generate NAME on PROMPT max_new_tokens N { step 1: ... }"])
+            return self.step(tree, context)
+        if kind == "route" and in_step:
+            self.fail("'route' applies to the whole run: put it outside 'step'", sp)
+        return getattr(self, kind)(tree)
+
+    def describe_run(self, tree: Tree) -> str:
+        return f"'{tree.data} {tree.children[0]}'"
+
+    def model_decl(self, tree: Tree) -> ast.ModelDecl:
+        return ast.ModelDecl(self.string(tree.children[0]), span=self.span(tree))
+
+    def prompt_decl(self, tree: Tree) -> ast.PromptDecl:
+        name, text = tree.children
+        return ast.PromptDecl(self.name(name, "a prompt"), self.string(text), span=self.span(tree))
+
+    def prompts_decl(self, tree: Tree) -> ast.PromptListDecl:
+        name, *texts = tree.children
+        strings = tuple(self.string(t) for t in texts if t is not None)
+        if not strings:
+            self.fail(f"the prompt list '{name}' is empty", self.span(tree))
+        return ast.PromptListDecl(self.name(name, "a prompt list"), strings, span=self.span(tree))
+
+    def body(self, block: Tree, run: Tree) -> tuple[ast.Statement, ...]:
+        out: list[ast.Statement] = []
+        for child in block.children:
+            if child is None:
+                continue
+            node = self.collect(lambda c=child: self.item(c, context=run))
+            if node is not None:
+                out.append(node)
+        return tuple(out)
+
+    def trace(self, tree: Tree) -> ast.Trace:
+        name, prompt, block = tree.children
+        return ast.Trace(self.name(name, "a run"), str(prompt), self.body(block, tree), span=self.span(tree))
+
+    def generate(self, tree: Tree) -> ast.Generate:
+        name, prompt, n, block = tree.children
+        return ast.Generate(self.name(name, "a run"), str(prompt), int(n), self.body(block, tree),
+                            span=self.span(tree))
+
+    def sweep(self, tree: Tree) -> ast.Sweep:
+        name, prompt, *axes, block = tree.children
+        built = tuple(self.axis(a) for a in axes)
+        return ast.Sweep(self.name(name, "a run"), str(prompt), built, self.body(block, tree),
+                         span=self.span(tree))
+
+    def axis(self, tree: Tree) -> ast.Axis:
+        var, dom = tree.children
+        if isinstance(dom, Tree) and dom.data == "range":
+            a, b = dom.children
+            domain: Any = ast.Range(int(a), int(b), span=self.span(dom))
+        else:
+            segs = dom.children
+            if len(segs) != 1 or segs[0].data not in ("layer_seg", "star_seg", "bracket_seg"):
+                self.fail("a sweep axis is a block selector (L[linear], L[0:6], L*) or a range (0..9)",
+                          self.span(dom))
+            domain = self.selector(segs[0])
+        return ast.Axis(self.name(var, "a sweep variable"), domain, span=self.span(tree))
+
+    # -- statements --
+
+    def read(self, tree: Tree) -> ast.Read:
+        *paths, alias = tree.children
+        sites = tuple(self.site(p) for p in paths)
+        if alias is not None and len(sites) > 1:
+            self.fail("'as' names one site; read the others in a statement of their own", self.span(alias))
+        return ast.Read(sites, None if alias is None else self.name(alias, "a read"), span=self.span(tree))
+
+    def write(self, tree: Tree) -> ast.Write:
+        path, src = tree.children
+        return ast.Write(self.site(path), self.source(src), span=self.span(tree))
+
+    def measure(self, tree: Tree) -> ast.Measure:
+        *paths, alias = tree.children
+        calls = tuple(self.measure_call(p) for p in paths)
+        if alias is not None and len(calls) > 1:
+            self.fail("'as' names one measure; measure the others in a statement of their own",
+                      self.span(alias))
+        return ast.Measure(calls, None if alias is None else self.name(alias, "a measure"),
+                           span=self.span(tree))
+
+    def route(self, tree: Tree) -> ast.Route:
+        tok = tree.children[0]
+        if tok.value not in KERNELS:
+            guess = difflib.get_close_matches(tok.value, KERNELS, n=1, cutoff=0.5)
+            hint = f"; did you mean '{guess[0]}'?" if guess else ""
+            self.fail(f"unknown route '{tok.value}': route torch (token-by-token kernel) or route default{hint}",
+                      self.span(tok))
+        return ast.Route(str(tok.value), span=self.span(tree))
+
+    def step(self, tree: Tree, context: Tree) -> ast.Step:
+        k, body = tree.children
+        return ast.Step(int(k), self.item(body, context, in_step=True), span=self.span(tree))
+
+    # -- sources --
+
+    def source(self, tree: Tree) -> ast.Source:
+        sp = self.span(tree)
+        if tree.data == "scale_source":
+            tok = tree.children[0].children[0]
+            return ast.ScaleSource(float(tok.value), span=sp)
+        path = tree.children[0]
+        segs = path.children
+        if tree.data == "from_source":
+            head = segs[0]
+            if head.data != "name_seg":
+                self.fail("'from' takes the name of a run or a prompt: 'from RUN' or 'from RUN.VALUE'",
+                          self.span(head))
+            rest = segs[1:]
+            site = self.site_from_segments(rest, _cover(self.span(rest[0]), self.span(rest[-1]))) if rest else None
+            return ast.FromSource(str(head.children[0]), site, span=sp)
+        # assign_source: zeros | NAME | mean(...)
+        hint = "after '=' comes zeros, the name of a read, or mean(PROMPTS)"
+        if len(segs) != 1:
+            self.fail(hint + "; to take a site from another run write 'from RUN.VALUE'", self.span(path))
+        seg = segs[0]
+        if seg.data == "name_seg":
+            name = str(seg.children[0])
+            return ast.ZerosSource(span=sp) if name == "zeros" else ast.NamedSource(name, span=sp)
+        if seg.data == "call_seg":
+            fn, args = seg.children
+            if fn.value != "mean":
+                guess = " (did you mean 'mean'?)" if difflib.get_close_matches(fn.value, ["mean"]) else ""
+                self.fail(f"unknown function '{fn.value}'{guess}: {hint}", self.span(fn))
+            names = self.name_args(args, seg, "mean takes prompt names: mean(foods) or mean(a, b)")
+            return ast.MeanSource(names, span=sp)
+        self.fail(hint, self.span(seg))
+
+    def name_args(self, args: Tree | None, seg: Tree, message: str) -> tuple[str, ...]:
+        out: list[str] = []
+        for a in (args.children if args is not None else []):
+            if isinstance(a, Tree) and len(a.children) == 1 and a.children[0].data == "name_seg":
+                out.append(str(a.children[0].children[0]))
+            else:
+                self.fail(message, self.span(a))
+        if not out:
+            self.fail(message, self.span(seg))
+        return tuple(out)
+
+    # -- measures --
+
+    def measure_call(self, path: Tree) -> ast.MeasureCall:
+        segs = path.children
+        sp = self.span(path)
+        usage = "a measure is prob(\" tok\"), logit_diff(\" a\", \" b\"), kl(RUN), norm(SITE) or rank(\" tok\")"
+        if len(segs) != 1 or segs[0].data != "call_seg":
+            self.fail(usage + "; to keep a value use 'read'", sp)
+        fn, args = segs[0].children
+        name = str(fn.value)
+        if name not in MEASURES:
+            guess = difflib.get_close_matches(name, MEASURES, n=1, cutoff=0.5)
+            hint = f"did you mean '{guess[0]}'? " if guess else ""
+            self.fail(f"unknown measure '{name}': {hint}{usage}", self.span(fn))
+        arglist = [] if args is None else list(args.children)
+        if name in ("prob", "rank"):
+            (tok,) = self.string_args(arglist, 1, name, sp)
+            return (ast.Prob if name == "prob" else ast.Rank)(tok, span=sp)
+        if name == "logit_diff":
+            a, b = self.string_args(arglist, 2, name, sp)
+            return ast.LogitDiff(a, b, span=sp)
+        if name == "kl":
+            (run,) = self.name_args(args, segs[0], "kl takes the name of a run: kl(base)")
+            if len(arglist) != 1:
+                self.fail("kl takes the name of one run: kl(base)", sp)
+            return ast.KL(run, span=sp)
+        if len(arglist) != 1 or not isinstance(arglist[0], Tree):
+            self.fail("norm takes one site: norm(L0.state_output)", sp)
+        return ast.Norm(self.site(arglist[0]), span=sp)
+
+    def string_args(self, args: list[Any], n: int, fn: str, sp: Span) -> list[str]:
+        shape = {"prob": 'prob(" Paris")', "rank": 'rank(" Paris")', "logit_diff": 'logit_diff(" Paris", " Rome")'}
+        if len(args) != n or not all(isinstance(a, Token) and a.type == "STRING" for a in args):
+            self.fail(f"{fn} takes {'one quoted token' if n == 1 else f'{n} quoted tokens'}: {shape[fn]}", sp)
+        return [self.string(a) for a in args]
+
+    # -- sites, selectors, positions --
+
+    def site(self, path: Tree) -> ast.Site:
+        return self.site_from_segments(path.children, self.span(path))
+
+    def site_from_segments(self, segs: list[Tree], sp: Span) -> ast.Site:
+        usage = "a site is BLOCK.VALUE (L0.state_output, L[linear].state_after(3)) or a model-level value (logits)"
+        if len(segs) > 2:
+            self.fail(f"too many parts: {usage}", sp)
+        if len(segs) == 1:
+            seg = segs[0]
+            if seg.data in ("layer_seg", "star_seg", "bracket_seg"):
+                sel = ast.format_selector(self.selector(seg))
+                self.fail(f"{sel} names blocks but no value: write e.g. {sel}.state_output", sp)
+            value, pos = self.value_part(seg)
+            return ast.Site(None, value, pos, span=sp)
+        head, tail = segs
+        if head.data == "call_seg":
+            self.fail(f"{usage}; a value comes after the block", self.span(head))
+        if tail.data not in ("name_seg", "call_seg"):
+            self.fail(f"expected a value name after the block: {usage}", self.span(tail))
+        block = self.selector(head)
+        value, pos = self.value_part(tail)
+        return ast.Site(block, value, pos, span=sp)
+
+    def value_part(self, seg: Tree) -> tuple[str, ast.Position | None]:
+        if seg.data == "name_seg":
+            return str(seg.children[0]), None
+        if seg.data != "call_seg":
+            self.fail("expected a value name", self.span(seg))
+        fn, args = seg.children
+        arglist = [] if args is None else list(args.children)
+        if len(arglist) != 1:
+            self.fail(f"{fn}(...) takes one position: {fn}(3), {fn}(-1) or {fn}(\"word\")", self.span(seg))
+        return str(fn), self.position(arglist[0])
+
+    def position(self, arg: Tree | Token) -> ast.Position:
+        usage = "a position is a number (3, -1), a quoted piece of the prompt (\"Tower\"), or a sweep variable"
+        if isinstance(arg, Token):
+            if arg.type == "INT":
+                return ast.IntPos(int(arg.value), span=self.span(arg))
+            if arg.type == "STRING":
+                return ast.PiecePos(self.string(arg), span=self.span(arg))
+            self.fail(usage, self.span(arg))
+        if len(arg.children) == 1 and arg.children[0].data == "name_seg":
+            return ast.VarPos(str(arg.children[0].children[0]), span=self.span(arg))
+        self.fail(usage, self.span(arg))
+
+    def selector(self, seg: Tree) -> ast.Selector:
+        sp = self.span(seg)
+        if seg.data == "layer_seg":
+            return ast.Block(int(seg.children[0].value[1:]), span=sp)
+        if seg.data == "star_seg":
+            return ast.AllBlocks(span=sp)
+        if seg.data == "name_seg":
+            return ast.BlockVar(str(seg.children[0]), span=sp)
+        if seg.data == "bracket_seg":
+            head, items = seg.children
+            if head.value != "L":
+                self.fail(f"a block selector is L[...], not {head.value}[...]", self.span(head))
+            return ast.BlockList(tuple(self.sel_item(i) for i in items.children), span=sp)
+        self.fail("expected a block: L3, L*, L[linear], L[0:6] or L[0,2,4]", sp)
+
+    def sel_item(self, tree: Tree) -> ast.SelItem:
+        sp = self.span(tree)
+        if tree.data == "sel_index":
+            return ast.SelIndex(int(tree.children[0]), span=sp)
+        if tree.data == "sel_slice":
+            a, b = tree.children
+            return ast.SelSlice(None if a is None else int(a), None if b is None else int(b), span=sp)
+        kind = str(tree.children[0])
+        if kind not in BLOCK_KINDS:
+            aliases = {"deltanet": "linear", "linear_attention": "linear", "full_attention": "attention",
+                       "attn": "attention", "delta": "linear"}
+            guess = aliases.get(kind) or next(iter(difflib.get_close_matches(kind, BLOCK_KINDS, n=1)), None)
+            hint = f"; did you mean L[{guess}]?" if guess else ""
+            self.fail(f"unknown kind of block '{kind}': L[linear] (DeltaNet blocks) or L[attention]{hint}", sp)
+        return ast.SelKind(kind, span=sp)
+
+
+def _cover(first: Span, last: Span) -> Span:
+    """The span from the start of `first` to the end of `last`."""
+    return Span(first.line, first.column, last.end_line, last.end_column)
+
+
+class _Abandon(Exception):
+    """Internal: carries a DeltaSyntaxError out of a node being built."""
+
+    def __init__(self, error: DeltaSyntaxError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+_COMMENT_RE = re.compile(r'"(?:\\.|[^"\\\n])*"|(#[^\n]*)')
+
+
+def _comments(text: str) -> Iterator[ast.Comment]:
+    """Every `# ...` comment of a program that parsed (strings skipped)."""
+    for n, line in enumerate(text.split("\n"), start=1):
+        if "#" not in line:
+            continue
+        for m in _COMMENT_RE.finditer(line):
+            if m.group(1) is not None:
+                col = m.start(1) + 1
+                body = m.group(1).rstrip()
+                yield ast.Comment(body, span=Span(n, col, n, col + len(body)))
+                break
