@@ -8,13 +8,16 @@
 
 from __future__ import annotations
 
-from . import families
-from .errors import DeltaError
-from .kernels import route_kernels
-from .model import DeltaModel, load_model
-from .spec import ModelSpec, load_spec
-
 __version__ = "0.1.0"
 
-__all__ = ["DeltaError", "DeltaModel", "ModelSpec", "families", "load_model", "load_spec", "route_kernels",
-           "__version__"]
+from . import families  # noqa: E402
+from .errors import DeltaError
+from .kernels import route_kernels
+from .check import check
+from .model import DeltaModel, load_model
+from .parse import parse
+from .run import Experiment, Results, compile, run
+from .spec import ModelSpec, load_spec
+
+__all__ = ["DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
+           "load_model", "load_spec", "parse", "route_kernels", "run", "__version__"]

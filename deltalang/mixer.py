@@ -208,6 +208,11 @@ class MixerSite:
                 return out, final
 
         pieces, state = self._split(run, s, initial, step, query, l2)
+        if self.wants("states_as_run"):
+            # the state after every token of the forward as it ran, the writes at positions applied
+            parts = [kernels.per_token(self.family, query[:, a:b], key[:, a:b], value[:, a:b], g[:, a:b],
+                                       beta[:, a:b], start, l2)[1] for a, b, start in self.segments]
+            self.serve("states_as_run", torch.cat(parts, dim=1), step)
         out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         out = self.serve("attention_head_outputs", out, step)
         final = self.serve("state_output", state, step)
@@ -221,14 +226,17 @@ class MixerSite:
         """Run [0, s) in segments ending at each asked-for position, serving the state there."""
         pieces: list[torch.Tensor] = []
         pos, state = 0, initial
+        self.segments: list[tuple[int, int, torch.Tensor | None]] = []
         while True:
             asked = self.positions("state_after", step)
             later = sorted(p for p in asked if p >= pos)
             if not later:
+                self.segments.append((pos, s, state))
                 out, state = run(pos, s, state)
                 pieces.append(out)
                 return pieces, state
             p = later[0]
+            self.segments.append((pos, p + 1, state))
             out, state = run(pos, p + 1, state)
             for name in asked[p]:
                 new = self.serve(name, state, step)
@@ -429,7 +437,8 @@ class DeltaNetEnvoy(Envoy):
         finally:
             mediator.iteration = previous
         spec = values.get(name.split(".")[0])
-        if spec is not None and spec.per_token and isinstance(raw, torch.Tensor):
+        per_token = spec.per_token if spec is not None else name == "states_as_run"
+        if per_token and isinstance(raw, torch.Tensor):
             pad = self._pad(mediator)
             if pad:
                 raw = raw[:, pad:]
@@ -526,6 +535,15 @@ class DeltaNetEnvoy(Envoy):
     def states(self, value: Any) -> None:
         raise DeltaValueError(
             f"L{self.site.layer}.states is read-only; write one position with set_state_after(t, value)")
+
+    @property
+    def states_as_run(self) -> torch.Tensor:
+        """Like `states`, but served after this call's `set_state_after` writes: the forward as it ran.
+
+        `states` is served before any position is written (it reads every position); this one is
+        served once the last written position has run, so tokens after a write show its effect.
+        """
+        return self._get("states_as_run")
 
     def state_after(self, t: int) -> torch.Tensor:
         """The state after token t of the call (t may be negative): [b, heads, key_dim, value_dim]."""

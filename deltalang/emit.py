@@ -1,0 +1,230 @@
+"""Plan -> the nnsight program a researcher would write by hand: `emit()`.
+
+The code is plain Python over nnsight and deltalang's value layer: one
+`with model.trace(...)` (or `model.generate(...)`) per pass, one
+`tracer.invoke(...)` per run that shares the pass, every op on its own line in
+forward order with a comment pointing back at the `.dl` line it comes from.
+It defines `experiment(model) -> dict` and, run as a script, loads the model
+and prints the results, so a saved copy runs with plain `python`.
+
+`Emitted.line_map` maps each generated line to the `.dl` span it came from,
+so a runtime error can be reported against the program.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from . import __version__
+from .errors import Span
+from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan, site
+from .resolve import FromRun, Mean, Named, Scale, Zeros
+
+INDENT = "    "
+
+
+@attrs.frozen
+class Emitted:
+    code: str
+    line_map: dict[int, Span]
+
+
+class _Writer:
+    def __init__(self, filename: str) -> None:
+        self.lines: list[str] = []
+        self.map: dict[int, Span] = {}
+        self.filename = filename
+
+    def add(self, depth: int, text: str, span: Span | None = None, note: str = "") -> None:
+        comment = ""
+        if span is not None:
+            comment = f"  # {self.filename}:{span.line}" + (f" {note}" if note else "")
+        elif note:
+            comment = f"  # {note}"
+        self.lines.append(INDENT * depth + text + comment)
+        if span is not None:
+            self.map[len(self.lines)] = span
+
+    def blank(self) -> None:
+        self.lines.append("")
+
+
+def mixer(layer: int) -> str:
+    return f"model.layers[{layer}].linear_attn"
+
+
+def read_expr(op: PlanOp, tracer: str = "tracer") -> str:
+    """The expression that reads `op`'s site inside a trace."""
+    if op.layer is None:
+        if op.value == "tokens":
+            return f"{tracer}.result"
+        return f"model.{op.value}"
+    if op.value == "output":
+        return f"model.layers[{op.layer}].output"
+    m = mixer(op.layer)
+    if op.value in ("state_after", "conv_window_after"):
+        return f"{m}.{op.value}({op.position})"
+    if op.value == STATES_AS_RUN:
+        return f"{m}.states_as_run"
+    return f"{m}.{op.value}"
+
+
+def write_stmt(op: PlanOp, value: str) -> str:
+    """The statement that writes `value` to `op`'s site."""
+    if op.value == "output":
+        return f"model.layers[{op.layer}].output = {value}"
+    m = mixer(op.layer)  # type: ignore[arg-type]
+    if op.value in ("state_after", "conv_window_after"):
+        return f"{m}.set_{op.value}({op.position}, {value})"
+    return f"{m}.{op.value} = {value}"
+
+
+def source_expr(op: PlanOp) -> str:
+    src = op.source
+    if isinstance(src, Zeros):
+        return f"torch.zeros_like({read_expr(op)})"
+    if isinstance(src, Scale):
+        return f"{read_expr(op)} * {src.factor!r}"
+    if isinstance(src, (FromRun, Named, Mean)):
+        return f"results[{op.donor_key!r}]"
+    raise AssertionError(f"unknown write source {src!r}")
+
+
+def _token_note(run: RunPlan, op: PlanOp, tokens: dict[str, tuple[str, ...]]) -> str:
+    toks = tokens.get(run.name, ())
+    if op.position is not None and op.position < len(toks) and op.value in ("state_after", "conv_window_after"):
+        return f"token {op.position} = {toks[op.position]!r}"
+    return ""
+
+
+def emit_ops(w: _Writer, run: RunPlan, ops: list[PlanOp], depth: int,
+             tokens: dict[str, tuple[str, ...]]) -> None:
+    for op in ops:
+        note = _token_note(run, op, tokens)
+        if op.kind == "read":
+            if op.value == "tokens":
+                continue  # read after the generate loop
+            w.add(depth, f"results[{op.key!r}] = {read_expr(op)}.save()", op.span, note)
+        else:
+            w.add(depth, write_stmt(op, source_expr(op)), op.span, note)
+
+
+def emit_run_body(w: _Writer, run: RunPlan, depth: int, tokens: dict[str, tuple[str, ...]]) -> None:
+    if run.kind != "generate":
+        emit_ops(w, run, list(run.ops), depth, tokens)
+        if not run.ops:
+            w.add(depth, "pass")
+        return
+    steps = sorted({op.step or 0 for op in run.ops if op.value != "tokens"})
+    if steps:
+        sel = f"{steps[0]}" if len(steps) == 1 else f"[{', '.join(map(str, steps))}]"
+        w.add(depth, f"for step in tracer.iter[{sel}]:")
+        for k in steps:
+            ops = [op for op in run.ops if (op.step or 0) == k and op.value != "tokens"]
+            if len(steps) == 1:
+                emit_ops(w, run, ops, depth + 1, tokens)
+            else:
+                w.add(depth + 1, f"if step == {k}:")
+                emit_ops(w, run, ops, depth + 2, tokens)
+    for op in run.ops:
+        if op.value == "tokens":
+            n = len(tokens.get(run.name, ()))
+            w.add(depth, f"results[{op.key!r}] = tracer.result[:, {n}:].save()", op.span, "the new tokens")
+    if not run.ops:
+        w.add(depth, "pass")
+
+
+def _prompt_ref(run: RunPlan, prompts: dict[str, str]) -> str:
+    return f"PROMPTS[{run.prompt!r}]" if run.prompt in prompts else repr(run.prompt_text)
+
+
+def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tuple[str, ...]]) -> None:
+    names = ", ".join(r.name + (" (implicit)" if r.implicit else "") for r in p.runs)
+    w.add(1, f"# pass {p.index}: {names}")
+    depth = 1
+    if p.route:
+        w.add(1, f"deltalang.route_kernels(model.family, {p.route!r})")
+        w.add(1, "try:")
+        depth = 2
+    if p.kind == "generate":
+        run = p.runs[0]
+        n = run.max_new_tokens
+        w.add(depth, f"with torch.no_grad(), model.generate({_prompt_ref(run, prompts)}, max_new_tokens={n}, "
+                     f"min_new_tokens={n}, do_sample=False) as tracer:")
+        emit_run_body(w, run, depth + 1, tokens)
+    elif len(p.runs) == 1:
+        run = p.runs[0]
+        w.add(depth, f"with torch.no_grad(), model.trace({_prompt_ref(run, prompts)}):")
+        emit_run_body(w, run, depth + 1, tokens)
+    else:
+        w.add(depth, "with torch.no_grad(), model.trace() as tracer:")
+        for run in p.runs:
+            w.add(depth + 1, f"with tracer.invoke({_prompt_ref(run, prompts)}):", note=run.name)
+            emit_run_body(w, run, depth + 2, tokens)
+    if p.route:
+        w.add(1, "finally:")
+        w.add(2, "deltalang.route_kernels(model.family, 'default')")
+
+
+def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None) -> Emitted:
+    """The plan as a Python module defining `experiment(model) -> dict[str, Tensor | float]`."""
+    resolved = plan.resolved
+    w = _Writer(filename.rsplit("/", 1)[-1])
+    prompts = {k: v for k, v in resolved.prompts.items() if isinstance(v, str)}
+    tokens = {r.name: r.tokens for r in resolved.runs}
+    for r in resolved.runs:
+        if r.kind == "sweep":
+            for point in r.points():
+                tokens[r.instantiate(point).name] = r.tokens
+    w.add(0, f'"""nnsight code compiled by deltalang {__version__} from {filename}.')
+    w.add(0, "")
+    w.add(0, "Ops are in the order the forward reaches them; each comment names its program line.")
+    w.add(0, "Run it as a script, or call experiment(model) on a deltalang.load_model(...) model.")
+    w.add(0, '"""')
+    w.add(0, "import torch")
+    w.add(0, "")
+    w.add(0, "import deltalang")
+    w.add(0, "from deltalang import measures")
+    w.add(0, "")
+    w.add(0, f"MODEL = {model_id!r}  # None: the bundled model")
+    w.add(0, "PROMPTS = {")
+    for name, text in prompts.items():
+        w.add(1, f"{name!r}: {text!r},")
+    w.add(0, "}")
+    w.blank()
+    w.blank()
+    w.add(0, "def experiment(model):")
+    w.add(1, "results = {}")
+    for p in plan.passes:
+        emit_pass(w, p, prompts, tokens)
+    for c in plan.combines:
+        inputs = ", ".join(f"results[{k!r}]" for k in c.inputs)
+        w.add(1, f"results[{c.key!r}] = torch.stack([{inputs}]).mean(dim=0)")
+    from .plan import measure_input_key
+
+    for run, m in plan.measures:
+        x = f"results[{measure_input_key(run, m)!r}]"
+        if m.kind == "prob":
+            expr = f"measures.prob({x}, {m.token_ids[0]})"
+        elif m.kind == "rank":
+            expr = f"measures.rank({x}, {m.token_ids[0]})"
+        elif m.kind == "logit_diff":
+            expr = f"measures.logit_diff({x}, {m.token_ids[0]}, {m.token_ids[1]})"
+        elif m.kind == "kl":
+            from .plan import donor_key
+
+            expr = f"measures.kl({x}, results[{donor_key(str(m.against), None, 'logits', None, None)!r}])"
+        else:
+            expr = f"measures.norm({x})"
+        w.add(1, f"results[{m.result_name!r}] = {expr}", m.span)
+    w.add(1, f"return {{k: v for k, v in results.items() if not k.startswith({HIDDEN!r})}}")
+    w.blank()
+    w.blank()
+    w.add(0, 'if __name__ == "__main__":')
+    w.add(1, "model = deltalang.load_model(MODEL)")
+    w.add(1, "print(deltalang.Results(experiment(model), model=model))")
+    return Emitted("\n".join(w.lines) + "\n", w.map)
+
+
+def describe(op: PlanOp) -> str:
+    return site(op)

@@ -1,0 +1,50 @@
+"""The measures a program can ask for, computed from a run's saved logits or a read site.
+
+Each takes the next-token logits `[b, s, vocab]` (or `[b, vocab]`) of a run and
+returns a float per prompt (a plain float for one prompt).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _last(logits: torch.Tensor) -> torch.Tensor:
+    x = logits.float()
+    return x[:, -1] if x.dim() == 3 else x
+
+
+def _scalar(x: torch.Tensor) -> float | torch.Tensor:
+    return float(x[0]) if x.shape[0] == 1 else x
+
+
+def prob(logits: torch.Tensor, token: int) -> float | torch.Tensor:
+    """P(token) at the next position."""
+    return _scalar(_last(logits).softmax(-1)[:, token])
+
+
+def rank(logits: torch.Tensor, token: int) -> float | torch.Tensor:
+    """How many tokens the model prefers to `token` at the next position (0 = its top choice)."""
+    x = _last(logits)
+    return _scalar((x > x[:, token : token + 1]).sum(-1).float())
+
+
+def logit_diff(logits: torch.Tensor, a: int, b: int) -> float | torch.Tensor:
+    """logit(a) - logit(b) at the next position."""
+    x = _last(logits)
+    return _scalar(x[:, a] - x[:, b])
+
+
+def kl(logits: torch.Tensor, reference: torch.Tensor) -> float | torch.Tensor:
+    """KL(reference || this run) over the next token, in nats: how far this run moved from `reference`."""
+    p = _last(reference).log_softmax(-1)
+    q = _last(logits).log_softmax(-1)
+    return _scalar((p.exp() * (p - q)).sum(-1))
+
+
+def norm(x: torch.Tensor) -> float | torch.Tensor:
+    """The Frobenius norm of a value per prompt; per token for values with a sequence axis and more."""
+    x = x.float()
+    if x.dim() >= 4 and x.shape[1] > 1 and x.dim() == 5:  # states: [b, s, h, k, v] -> [b, s]
+        return x.flatten(2).norm(dim=-1)
+    return _scalar(x.flatten(1).norm(dim=-1))

@@ -1,0 +1,375 @@
+"""From a resolved program to an ordered plan of forward passes: `build_plan()`, `format_plan()`.
+
+The planner makes three decisions, each a small function below:
+
+1. `collect_runs` — which runs exist: the program's traces and generates, the
+   implicit clean runs of prompts named in `from`, one run per text of a
+   `mean(...)`, and the donor reads each write needs from another run.
+2. `order_runs` — a networkx graph of runs with an edge from each donor to
+   the run that uses its value; a cycle is an error naming the statements in
+   it; `nx.topological_generations` groups the runs into stages whose members
+   need nothing of each other.
+3. `batch_stage` — the traces of a stage with the same kernel route share one
+   forward (one nnsight invoke each); each generate gets its own.
+
+Inside a run, `sort_ops` puts every op in the order the forward reaches it:
+step, block, the mixer's own order (`deltalang.values.CATALOGUE[...].order`),
+position, and a write before a read of the same site, so the read observes the
+written value. A user never meets OutOfOrderError.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import attrs
+import networkx as nx
+
+from . import values
+from .errors import DeltaPlanError, Span
+from .resolve import FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
+
+HIDDEN = "~"  # results whose key starts with this are internal (donor reads, mean inputs)
+
+# model-level values come after every block; `tokens` after everything
+_MODEL_ORDER = {"logits": 0, "next_token_probs": 1, "tokens": 2}
+# `states` read in a run that also writes positions of the same mixer: served once the
+# writes are applied (the forward as it ran), just after the last position
+STATES_AS_RUN = "states_as_run"
+_ORDER = {name: v.order for name, v in values.CATALOGUE.items()} | {STATES_AS_RUN: 52}
+
+
+@attrs.frozen
+class PlanOp:
+    """One read or write inside one run, ready to emit."""
+
+    kind: str  # "read" | "write"
+    layer: int | None
+    value: str
+    position: int | None
+    step: int | None
+    key: str | None  # reads: the results key
+    source: Any = None  # writes: the resolved source, with `donor` keys filled in below
+    donor_key: str | None = None  # writes `from`/`= NAME`/`= mean`: where the value is in results
+    text: str = ""  # the statement as written, for the comment
+    span: Span | None = attrs.field(default=None, eq=False)
+
+    @property
+    def hidden(self) -> bool:
+        return self.key is not None and self.key.startswith(HIDDEN)
+
+    def sort_key(self) -> tuple:
+        step = math.inf if self.value == "tokens" else (self.step or 0)
+        layer = math.inf if self.layer is None else self.layer
+        order = _MODEL_ORDER.get(self.value, 0) if self.layer is None else _ORDER.get(self.value, 0)
+        pos = -1 if self.position is None else self.position
+        return (step, layer, order, pos, 0 if self.kind == "write" else 1)
+
+
+@attrs.frozen
+class RunPlan:
+    """One run in a pass: its prompt and its ops in forward order."""
+
+    name: str
+    kind: str  # "trace" | "generate"
+    prompt: str
+    prompt_text: str
+    ops: tuple[PlanOp, ...]
+    max_new_tokens: int | None = None
+    route: str | None = None
+    implicit: bool = False
+    why: str = ""  # for implicit runs: what needs them
+
+
+@attrs.frozen
+class Pass:
+    """One forward of the model (or one generate): its runs are its invokes."""
+
+    index: int
+    kind: str
+    runs: tuple[RunPlan, ...]
+    route: str | None = None
+
+
+@attrs.frozen
+class Combine:
+    """A value computed between passes: the mean of several reads."""
+
+    key: str
+    inputs: tuple[str, ...]
+
+
+@attrs.frozen
+class Plan:
+    passes: tuple[Pass, ...]
+    combines: tuple[Combine, ...]
+    measures: tuple[tuple[str, ResolvedMeasure], ...]  # (run name, measure)
+    resolved: Resolved = attrs.field(eq=False, repr=False)
+
+    @property
+    def result_keys(self) -> list[str]:
+        keys = [op.key for p in self.passes for r in p.runs for op in r.ops
+                if op.kind == "read" and op.key is not None and not op.hidden]
+        return keys + [m.result_name for _, m in self.measures]
+
+
+# ---------------------------------------------------------------------------
+# 1. runs and donor reads
+# ---------------------------------------------------------------------------
+
+
+def donor_key(run: str, layer: int | None, value: str, position: int | None, step: int | None) -> str:
+    """The internal results key of a value one run hands another."""
+    site = value if position is None else f"{value}({position})"
+    where = f"L{layer}." if layer is not None else ""
+    at = f"step{step}." if step is not None else ""
+    return f"{HIDDEN}{run}.{at}{where}{site}"
+
+
+def _span(x: Any) -> Span | None:
+    return getattr(x, "span", None)
+
+
+def expand_steps(run: ResolvedRun) -> list[ResolvedOp]:
+    """A generate's ops without a step apply at every step: one op per step."""
+    if run.kind != "generate":
+        return list(run.ops)
+    from .resolve import op_result_name
+
+    out: list[ResolvedOp] = []
+    for op in run.ops:
+        if op.step is not None or op.value == "tokens":
+            out.append(op)
+            continue
+        for k in range(run.max_new_tokens or 1):
+            name = op.result_name
+            if name is not None and op.alias is None:
+                name = op_result_name(run.name, k, op.layer, op.value, op.position, None, False)
+            elif name is not None:
+                name = f"{name}.step{k}"
+            out.append(attrs.evolve(op, step=k, result_name=name))
+    return out
+
+
+def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str, str, Any]], list[Combine],
+                                              list[tuple[str, ResolvedMeasure]]]:
+    """Every run with its ops, the donor edges (from run, to run, the op making it), and the means."""
+    by_name = {r.name: r for r in resolved.runs}
+    ops: dict[str, list[PlanOp]] = {}
+    meta: dict[str, ResolvedRun] = {}
+    edges: list[tuple[str, str, Any]] = []
+    combines: list[Combine] = []
+    measures: list[tuple[str, ResolvedMeasure]] = []
+    implicit_why: dict[str, str] = {}
+    read_keys: dict[str, str] = {}  # result name -> run that reads it
+
+    runs = [r for r in resolved.runs if r.kind != "sweep"]
+    for r in resolved.runs:
+        if r.kind == "sweep":
+            runs.extend(r.instantiate(point) for point in r.points())
+    for r in runs:
+        meta[r.name] = r
+        ops[r.name] = []
+        for op in expand_steps(r):
+            if op.kind == "read" and op.result_name is not None:
+                read_keys[op.result_name] = r.name
+        for m in r.measures:
+            measures.append((r.name, m))
+
+    def add_donor(run: str, layer: int | None, value: str, position: int | None, step: int | None,
+                  for_run: str, why: Any) -> str:
+        key = donor_key(run, layer, value, position, step)
+        if not any(o.key == key for o in ops[run]):
+            ops[run].append(PlanOp("read", layer, value, position, step, key, text=f"for {for_run}",
+                                   span=_span(why)))
+        edges.append((run, for_run, why))
+        return key
+
+    mean_runs = 0
+    for r in runs:
+        for op in expand_steps(r):
+            if op.kind == "read":
+                ops[r.name].append(PlanOp("read", op.layer, op.value, op.position, op.step, op.result_name,
+                                          text=op.written, span=op.span))
+                continue
+            src, dkey = op.source, None
+            if isinstance(src, FromRun):
+                if src.run not in meta:
+                    raise DeltaPlanError(f"`from {src.run}` names no run", _span(op))
+                dkey = add_donor(src.run, src.layer, src.value, src.position, src.step, r.name, op)
+            elif isinstance(src, Named):
+                target = src.name if src.name in read_keys else f"{src.name}.L{op.layer}"
+                if target not in read_keys:
+                    raise DeltaPlanError(f"`= {src.name}` names no read", _span(op))
+                dkey = target
+                edges.append((read_keys[target], r.name, op))
+            elif isinstance(src, Mean):
+                inputs = []
+                for i, text in enumerate(src.texts):
+                    name = f"{HIDDEN}mean{mean_runs}"
+                    mean_runs += 1
+                    pos = src.positions[i] if src.positions is not None else None
+                    meta[name] = ResolvedRun(name=name, kind="trace", prompt=name, prompt_text=text, token_ids=(),
+                                             tokens=(), implicit=True)
+                    ops[name] = []
+                    implicit_why[name] = f"mean({', '.join(src.prompts)}) for {r.name}"
+                    inputs.append(add_donor(name, op.layer, op.value, pos, None, r.name, op))
+                dkey = f"{HIDDEN}mean({','.join(src.prompts)}).L{op.layer}.{op.value}" + (
+                    f"({op.position})" if op.position is not None else "") + f".{r.name}"
+                combines.append(Combine(dkey, tuple(inputs)))
+            ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, source=src,
+                                      donor_key=dkey, text=op.written, span=op.span))
+        for m in r.measures:
+            _measure_reads(r, m, ops, add_donor)
+
+    plans = {}
+    for name, r in meta.items():
+        plans[name] = RunPlan(name=r.name, kind=r.kind, prompt=r.prompt, prompt_text=r.prompt_text,
+                              ops=tuple(sort_ops(mark_states_as_run(ops[name]))),
+                              max_new_tokens=r.max_new_tokens, route=r.route, implicit=r.implicit,
+                              why=implicit_why.get(name, ""))
+    return plans, edges, combines, measures
+
+
+def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, ops: dict[str, list[PlanOp]], add_donor: Any) -> None:
+    """The reads a measure needs: next-token probabilities of the run (and of the `kl` run), or the site."""
+    step = m.step if r.kind == "generate" else None
+    if m.kind == "norm":
+        key = measure_input_key(r.name, m)
+        if not any(o.key == key for o in ops[r.name]):
+            ops[r.name].append(PlanOp("read", m.layer, m.value or "", m.position, step, key, text=m.written,
+                                      span=m.span))
+        return
+    key = donor_key(r.name, None, "logits", None, step)
+    if not any(o.key == key for o in ops[r.name]):
+        ops[r.name].append(PlanOp("read", None, "logits", None, step, key, text=m.written, span=m.span))
+    if m.kind == "kl" and m.against is not None:
+        add_donor(m.against, None, "logits", None, None, r.name, m)
+
+
+def measure_input_key(run: str, m: ResolvedMeasure) -> str:
+    if m.kind == "norm":
+        return donor_key(run, m.layer, m.value or "", m.position, m.step)
+    return donor_key(run, None, "logits", None, m.step)
+
+
+def mark_states_as_run(ops: list[PlanOp]) -> list[PlanOp]:
+    """A `states` read beside a position write of the same mixer and step sees the written forward."""
+    writes = {(o.layer, o.step) for o in ops if o.kind == "write" and o.value == "state_after"}
+    return [attrs.evolve(o, value=STATES_AS_RUN) if o.kind == "read" and o.value == "states"
+            and (o.layer, o.step) in writes else o for o in ops]
+
+
+def sort_ops(ops: Iterable[PlanOp]) -> list[PlanOp]:
+    """Forward order; stable, so equal keys keep their source order."""
+    return sorted(ops, key=PlanOp.sort_key)
+
+
+# ---------------------------------------------------------------------------
+# 2. order
+# ---------------------------------------------------------------------------
+
+
+def order_runs(plans: dict[str, RunPlan], edges: list[tuple[str, str, Any]],
+               source_order: list[str]) -> list[list[str]]:
+    """Stages of runs: each needs only runs of earlier stages. A cycle is a DeltaPlanError."""
+    g = nx.DiGraph()
+    g.add_nodes_from(plans)
+    for a, b, why in edges:
+        if a == b:
+            raise DeltaPlanError(f"run {a!r} takes a value from itself: a run's reads observe its own writes, "
+                                 f"so it cannot feed them; name a clean run of the prompt instead", _span(why))
+        g.add_edge(a, b, why=why)
+    try:
+        cycle = nx.find_cycle(g)
+    except nx.NetworkXNoCycle:
+        cycle = None
+    if cycle:
+        names = " -> ".join([c[0] for c in cycle] + [cycle[0][0]])
+        first = g.edges[cycle[0][0], cycle[0][1]]["why"]
+        notes = []
+        for a, b, *_ in cycle:
+            why = g.edges[a, b]["why"]
+            sp = _span(why)
+            notes.append(f"{b} needs {a}" + (f" (line {sp.line}: {getattr(why, 'written', '')})" if sp else ""))
+        raise DeltaPlanError(f"runs need each other's values in a cycle: {names}", _span(first), notes=notes)
+    rank = {name: i for i, name in enumerate(source_order)}
+    return [sorted(stage, key=lambda n: (rank.get(n, len(rank)), n))
+            for stage in nx.topological_generations(g)]
+
+
+# ---------------------------------------------------------------------------
+# 3. passes
+# ---------------------------------------------------------------------------
+
+
+def batch_stage(stage: list[RunPlan], batch: bool = True) -> list[list[RunPlan]]:
+    """Traces of one stage with one route share a forward; each generate runs alone."""
+    groups: list[list[RunPlan]] = []
+    traces: dict[str | None, list[RunPlan]] = {}
+    for run in stage:
+        if run.kind == "generate" or not batch:
+            groups.append([run])
+        else:
+            traces.setdefault(run.route, []).append(run)
+    return [g for g in traces.values()] + groups
+
+
+def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:
+    """The ordered passes of a resolved program."""
+    plans, edges, combines, measures = collect_runs(resolved)
+    source_order = [r.name for r in resolved.runs]
+    passes: list[Pass] = []
+    for stage in order_runs(plans, edges, source_order):
+        for group in batch_stage([plans[n] for n in stage], batch):
+            passes.append(Pass(len(passes) + 1, group[0].kind, tuple(group), group[0].route))
+    return Plan(tuple(passes), tuple(combines), tuple(measures), resolved)
+
+
+# ---------------------------------------------------------------------------
+# reading a plan
+# ---------------------------------------------------------------------------
+
+
+def site(op: PlanOp) -> str:
+    text = op.value if op.position is None else f"{op.value}({op.position})"
+    if op.value == STATES_AS_RUN:
+        text = "states (as the written forward ran)"
+    where = "" if op.layer is None else f"L{op.layer}."
+    step = "" if op.step is None else f"step {op.step}: "
+    return f"{step}{where}{text}"
+
+
+def describe_source(op: PlanOp) -> str:
+    src = op.source
+    if isinstance(src, Zeros):
+        return "= zeros"
+    if isinstance(src, Scale):
+        return f"*= {src.factor:g}"
+    if isinstance(src, (FromRun, Named, Mean)):
+        return f"= {op.donor_key}"
+    return "?"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as text: passes, their runs (invokes), each op in forward order."""
+    lines = []
+    for p in plan.passes:
+        what = "generate" if p.kind == "generate" else "trace"
+        route = f", route {p.route}" if p.route else ""
+        lines.append(f"pass {p.index}: one {what}, {len(p.runs)} invoke(s){route}")
+        for r in p.runs:
+            extra = f", max_new_tokens {r.max_new_tokens}" if r.kind == "generate" else ""
+            why = f"  (implicit: {r.why or 'a clean run for ' + r.name})" if r.implicit else ""
+            lines.append(f"  {r.name} on {r.prompt_text!r}{extra}{why}")
+            for op in r.ops:
+                if op.kind == "read":
+                    lines.append(f"    read  {site(op):40} -> {op.key}")
+                else:
+                    lines.append(f"    write {site(op):40} {describe_source(op)}")
+    for c in plan.combines:
+        lines.append(f"then {c.key} = mean of {len(c.inputs)} reads")
+    for run, m in plan.measures:
+        lines.append(f"measure {m.result_name}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,285 @@
+"""Compile and run programs: `compile()`, `run()`, `Results`, and the `run` / `emit` commands.
+
+    results = deltalang.run('read L0.states', model=model, prompt="The Eiffel Tower is in the city of")
+    results["main.L0.states"].shape
+
+The emitted code is executed from `linecache` under a `<deltalang:FILE>` name
+(nnsight reads the `with` blocks' source back); an error raised while it runs
+is reported against the program line its op came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import hashlib
+import json
+import linecache
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from . import __version__
+from .errors import DeltaError, Span
+from .model import DeltaModel, load_model
+from .plan import Plan, build_plan, format_plan
+
+_MODELS: dict[tuple, DeltaModel] = {}
+
+
+def get_model(model: Any = None, *, device: str = "cpu", dtype: Any = None,
+              trust_remote_code: bool = False) -> DeltaModel:
+    """A loaded model: `model` itself, or a path / hub id / None (bundled), loaded once per process."""
+    if isinstance(model, DeltaModel):
+        return model
+    key = (str(model) if model is not None else None, device, str(dtype), trust_remote_code)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    return _MODELS[key]
+
+
+class Results(Mapping[str, Any]):
+    """The results of a program by name: tensors of reads, floats of measures, decoded tokens."""
+
+    def __init__(self, values: Mapping[str, Any], *, model: DeltaModel | None = None,
+                 program: str | None = None, code: str | None = None,
+                 kinds: Mapping[str, str] | None = None) -> None:
+        self._values = dict(values)
+        self._kinds = dict(kinds or {})  # result name -> the value it holds ("next_token_probs", ...)
+        self._model = model
+        self.program = program
+        self.code = code
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            raise KeyError(f"{key!r}; results are: {', '.join(self._values)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self._values.items() if isinstance(v, torch.Tensor)}
+
+    @property
+    def measures(self) -> dict[str, float]:
+        return {k: v for k, v in self._values.items() if not isinstance(v, torch.Tensor)}
+
+    @property
+    def tokens(self) -> dict[str, list[str]]:
+        """Decoded new tokens of each `read tokens`, per prompt."""
+        if self._model is None:
+            return {}
+        tok = self._model.tokenizer
+        return {k: [tok.decode(row) for row in v.tolist()] for k, v in self.tensors.items()
+                if self._kind(k) == "tokens"}
+
+    def _kind(self, key: str) -> str:
+        return self._kinds.get(key) or key.rsplit(".", 1)[-1]
+
+    def summary(self, top: int = 5) -> str:
+        lines = []
+        tok = self._model.tokenizer if self._model is not None else None
+        for k, v in self._values.items():
+            if not isinstance(v, torch.Tensor):
+                lines.append(f"{k:48} {v:.6g}" if isinstance(v, float) else f"{k:48} {v}")
+            elif self._kind(k) == "tokens" and tok is not None:
+                lines.append(f"{k:48} " + " | ".join(repr(tok.decode(r)) for r in v.tolist()))
+            elif self._kind(k) == "next_token_probs" and tok is not None:
+                p = v.float()
+                for row in range(p.shape[0]):
+                    vals, ids = p[row].topk(min(top, p.shape[-1]))
+                    best = ", ".join(f"{tok.decode([i])!r} {x:.3f}" for x, i in zip(vals.tolist(), ids.tolist()))
+                    lines.append(f"{k:48} top: {best}")
+            else:
+                lines.append(f"{k:48} {str(tuple(v.shape)):24} norm {float(v.float().norm()):.4f}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<deltalang Results: {len(self)} values>\n" + self.summary()
+
+    def _repr_html_(self) -> str:  # notebooks
+        import html
+
+        return "<pre>" + html.escape(repr(self)) + "</pre>"
+
+    def save(self, directory: str | Path, *, extra: Mapping[str, Any] | None = None) -> Path:
+        """Write `results.safetensors`, `results.json` (and `program.dl`, `emitted.py`) atomically."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".deltalang-", dir=out))
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
+        save_file(tensors, str(tmp / "results.safetensors"))
+        meta = {
+            "measures": self.measures,
+            "tokens": self.tokens,
+            "shapes": {k: list(v.shape) for k, v in tensors.items()},
+            "model": self._model.spec.model_id if self._model is not None else None,
+            "versions": _versions(),
+            "program_sha256": hashlib.sha256((self.program or "").encode()).hexdigest(),
+            **(dict(extra) if extra else {}),
+        }
+        (tmp / "results.json").write_text(json.dumps(meta, indent=2, default=str))
+        if self.program is not None:
+            (tmp / "program.dl").write_text(self.program)
+        if self.code is not None:
+            (tmp / "emitted.py").write_text(self.code)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+        return out
+
+
+def _versions() -> dict[str, str]:
+    import nnsight
+    import transformers
+
+    return {"deltalang": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "nnsight": getattr(nnsight, "__version__", "?")}
+
+
+class Experiment:
+    """A compiled program: its `plan`, its `code`, and `run()`."""
+
+    def __init__(self, source: str, model: DeltaModel, *, filename: str = "<program>",
+                 prompt: str | None = None, batch: bool = True) -> None:
+        from .check import check
+
+        self.source = source
+        self.filename = filename
+        self.model = model
+        self.resolved = check(source, model.spec, filename=filename, prompt=prompt)
+        try:
+            self.plan: Plan = build_plan(self.resolved, batch=batch)
+        except DeltaError as e:
+            raise e.located(source, filename)
+        from .emit import emit
+
+        self.emitted = emit(self.plan, filename=filename, model_id=_model_arg(model))
+
+    @property
+    def code(self) -> str:
+        return self.emitted.code
+
+    def format_plan(self) -> str:
+        return format_plan(self.plan)
+
+    def run(self) -> Results:
+        """Execute the emitted code on the model."""
+        name = f"<deltalang:{self.filename}:{hashlib.sha1(self.code.encode()).hexdigest()[:8]}>"
+        linecache.cache[name] = (len(self.code), None, self.code.splitlines(keepends=True), name)
+        namespace: dict[str, Any] = {"__name__": "deltalang_emitted", "__file__": name}
+        exec(builtins.compile(self.code, name, "exec"), namespace)
+        try:
+            values = namespace["experiment"](self.model)
+        except DeltaError as e:
+            raise self._locate(e, name, e) from None
+        except Exception as e:  # an error inside the trace: point at the program line
+            located = self._locate(DeltaError(f"{type(e).__name__}: {e}"), name, e)
+            if located.span is None:
+                raise
+            raise located from e
+        kinds = {op.key: op.value for p in self.plan.passes for r in p.runs for op in r.ops if op.key}
+        return Results(values, model=self.model, program=self.source, code=self.code, kinds=kinds)
+
+    def _locate(self, err: DeltaError, codename: str, exc: BaseException) -> DeltaError:
+        tb = getattr(exc, "__intervention_tb__", None) or exc.__traceback__
+        span: Span | None = None
+        for frame, lineno in traceback.walk_tb(tb):
+            if frame.f_code.co_filename == codename and lineno in self.emitted.line_map:
+                span = self.emitted.line_map[lineno]
+        if span is not None and err.span is None:
+            err.span = span
+        return err.located(self.source, self.filename)
+
+
+def _model_arg(model: DeltaModel) -> str | None:
+    from .bundled import NAME
+
+    return None if model.spec.model_id == NAME else model.spec.model_id
+
+
+def compile(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
+            batch: bool = True) -> Experiment:
+    """Parse, check, plan and emit a program against a model (loaded once and reused)."""
+    return Experiment(source, _model_for(source, model, filename), filename=filename, prompt=prompt, batch=batch)
+
+
+def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
+        batch: bool = True) -> Results:
+    """Compile and run a program; returns its Results."""
+    return compile(source, model, filename=filename, prompt=prompt, batch=batch).run()
+
+
+def _model_for(source: str, model: Any, filename: str, **kw: Any) -> DeltaModel:
+    if model is None:
+        from . import ast
+        from .parse import parse
+
+        try:
+            program = parse(source, filename)
+        except DeltaError as e:
+            raise e.located(source, filename)
+        for item in program.items:
+            if isinstance(item, ast.ModelDecl):
+                model = item.name
+    return get_model(model, **kw)
+
+
+# ---------------------------------------------------------------------------
+# the commands
+# ---------------------------------------------------------------------------
+
+
+def _read_source(args: argparse.Namespace) -> tuple[str, str]:
+    if getattr(args, "expr", None):
+        return args.expr, "<-e>"
+    if not args.file:
+        raise DeltaError("give a program: a .dl file, '-' for standard input, or -e TEXT")
+    if args.file == "-":
+        return sys.stdin.read(), "<stdin>"
+    path = Path(args.file)
+    if not path.is_file():
+        raise DeltaError(f"no such file: {args.file}")
+    return path.read_text(), str(args.file)
+
+
+def _experiment(args: argparse.Namespace) -> Experiment:
+    source, filename = _read_source(args)
+    model = _model_for(source, args.model, filename, device=args.device, dtype=args.dtype,
+                       trust_remote_code=args.trust_remote_code)
+    return Experiment(source, model, filename=filename, prompt=args.prompt)
+
+
+def emit_main(args: argparse.Namespace) -> int:
+    exp = _experiment(args)
+    print(exp.format_plan() if args.plan else exp.code, end="")
+    return 0
+
+
+def run_main(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    exp = _experiment(args)
+    t1 = time.perf_counter()
+    results = exp.run()
+    t2 = time.perf_counter()
+    print(results.summary())
+    print(f"({len(exp.plan.passes)} pass(es); compile {1000 * (t1 - t0):.0f} ms incl. model load, "
+          f"run {t2 - t1:.2f} s)", file=sys.stderr)
+    if args.out:
+        out = results.save(args.out)
+        print(f"wrote {out}/results.safetensors, results.json, program.dl, emitted.py", file=sys.stderr)
+    return 0
