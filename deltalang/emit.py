@@ -197,9 +197,9 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.add(1, "results = {}")
     for p in plan.passes:
         emit_pass(w, p, prompts, tokens)
-    for c in plan.combines:
-        inputs = ", ".join(f"results[{k!r}]" for k in c.inputs)
-        w.add(1, f"results[{c.key!r}] = torch.stack([{inputs}]).mean(dim=0)")
+        for c in p.then:
+            inputs = ", ".join(f"results[{k!r}]" for k in c.inputs)
+            w.add(1, f"results[{c.key!r}] = torch.stack([{inputs}]).mean(dim=0)")
     from .plan import measure_input_key
 
     for run, m in plan.measures:

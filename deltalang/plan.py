@@ -90,6 +90,7 @@ class Pass:
     kind: str
     runs: tuple[RunPlan, ...]
     route: str | None = None
+    then: tuple["Combine", ...] = ()  # values computed once this pass is done
 
 
 @attrs.frozen
@@ -207,7 +208,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
             elif isinstance(src, Mean):
                 inputs = []
                 for i, text in enumerate(src.texts):
-                    name = f"{HIDDEN}mean{mean_runs}"
+                    name = f"mean({','.join(src.prompts)})[{i}]#{mean_runs}"
                     mean_runs += 1
                     pos = src.positions[i] if src.positions is not None else None
                     meta[name] = ResolvedRun(name=name, kind="trace", prompt=name, prompt_text=text, token_ids=(),
@@ -324,6 +325,11 @@ def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:
     for stage in order_runs(plans, edges, source_order):
         for group in batch_stage([plans[n] for n in stage], batch):
             passes.append(Pass(len(passes) + 1, group[0].kind, tuple(group), group[0].route))
+    # a mean is taken as soon as the last of its inputs is read
+    produced = {op.key: i for i, p in enumerate(passes) for r in p.runs for op in r.ops if op.key}
+    for c in combines:
+        i = max(produced[k] for k in c.inputs)
+        passes[i] = attrs.evolve(passes[i], then=passes[i].then + (c,))
     return Plan(tuple(passes), tuple(combines), tuple(measures), resolved)
 
 
@@ -368,8 +374,8 @@ def format_plan(plan: Plan) -> str:
                     lines.append(f"    read  {site(op):40} -> {op.key}")
                 else:
                     lines.append(f"    write {site(op):40} {describe_source(op)}")
-    for c in plan.combines:
-        lines.append(f"then {c.key} = mean of {len(c.inputs)} reads")
+        for c in p.then:
+            lines.append(f"  then {c.key} = mean of {len(c.inputs)} reads")
     for run, m in plan.measures:
         lines.append(f"measure {m.result_name}")
     return "\n".join(lines) + "\n"

@@ -109,9 +109,28 @@ _BUILT: dict[str, Path] = {}
 
 def tiny_checkpoint(family: str) -> Path:
     """A tiny checkpoint of `family`, built once per process in a temporary directory."""
+    import atexit
+    import shutil
     import tempfile
 
     if family not in _BUILT:
         root = Path(tempfile.mkdtemp(prefix="deltalang-tiny-"))
+        atexit.register(shutil.rmtree, root, True)
         _BUILT[family] = build_tiny(family, root / family)
     return _BUILT[family]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m deltalang.testing FAMILY DIR`: write a tiny random checkpoint."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] not in FAMILY_NAMES:
+        print(f"usage: python -m deltalang.testing {{{'|'.join(FAMILY_NAMES)}}} DIR", file=sys.stderr)
+        return 2
+    print(build_tiny(args[0], args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
