@@ -376,7 +376,7 @@ STATEMENT_TYPES = (Read, Write, Measure, Route, Step)
 # ---- printing ----------------------------------------------------------------
 
 INDENT = "    "
-_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t"}
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
 def quote(text: str) -> str:
@@ -397,7 +397,8 @@ def format_position(p: Position) -> str:
     return p.name
 
 
-def _format_sel_item(item: SelItem) -> str:
+def format_sel_item(item: SelItem) -> str:
+    """`3`, `0:6`, `:6`, `linear`: one item inside `L[...]`."""
     if isinstance(item, SelIndex):
         return str(item.index)
     if isinstance(item, SelSlice):
@@ -412,7 +413,7 @@ def format_selector(sel: Selector) -> str:
     if isinstance(sel, AllBlocks):
         return "L*"
     if isinstance(sel, BlockList):
-        return "L[" + ",".join(_format_sel_item(i) for i in sel.items) + "]"
+        return "L[" + ",".join(format_sel_item(i) for i in sel.items) + "]"
     return sel.name
 
 
@@ -538,7 +539,7 @@ def format_program(program: Program, source: str | None = None) -> str:
 
 
 def _join(lines: list[_Line], comments: list[Comment], source: str | None) -> str:
-    src_lines = source.splitlines() if source is not None else []
+    src_lines = source.split("\n") if source is not None else []  # lines as the parser counts them
 
     def blank_in_source(line_no: float) -> bool:
         n = int(line_no)
@@ -569,6 +570,7 @@ def _join(lines: list[_Line], comments: list[Comment], source: str | None) -> st
         out.append(INDENT * depth + text)
 
     oi = 0
+    prev_source_line = 0
     for i, ln in enumerate(lines):
         wanted_blank = ln.blank_before  # the canonical blank line goes before the comments
         while oi < len(own) and ln.first and own[oi][0] < ln.first:
@@ -579,8 +581,10 @@ def _join(lines: list[_Line], comments: list[Comment], source: str | None) -> st
         text = ln.text
         if ln.last and last_line_for.get(ln.last) == i and ln.last in trailing:
             text += "  " + "  ".join(trailing[ln.last])
-        blank = wanted_blank or (bool(ln.first) and not ln.closes and blank_in_source(ln.first))
+        fresh_line = ln.first > prev_source_line  # not the second statement of a `;` line
+        blank = wanted_blank or (fresh_line and not ln.closes and blank_in_source(ln.first))
         emit(ln.depth, text, blank)
+        prev_source_line = max(prev_source_line, ln.last)
     for where, text in own[oi:]:
         emit(0, text, blank_in_source(where))
     return "\n".join(out) + "\n"

@@ -92,12 +92,14 @@ def _token_table(tokens: tuple[str, ...], width: int = 96) -> list[str]:
 
 
 def _position_note(position: int | None, position_var: str | None, tokens: tuple[str, ...]) -> str:
+    """` -> position 15 ('r')` for a resolved position, else nothing."""
     if position_var is not None or position is None:
         return ""
     return f" -> position {position}{_token(tokens, position)}"
 
 
 def _format_source(src: Any, resolved: Resolved) -> str:
+    """A write's source with its donor site and positions made explicit."""
     if isinstance(src, FromRun):
         donor = next((r for r in resolved.runs if r.name == src.run), None)
         pos: Any = src.position if src.position_var is None else f"{{{src.position_var}}}"
@@ -110,6 +112,8 @@ def _format_source(src: Any, resolved: Resolved) -> str:
         text += src.value if pos is None else f"{src.value}({pos})"
         if donor is not None and src.position is not None:
             text += _token(donor, src.position)
+        if src.position_map:
+            text += f" ({src.position_var}: " + " ".join(f"{a}->{b}" for a, b in src.position_map) + ")"
         return text
     if isinstance(src, Zeros):
         return "= zeros"
@@ -119,7 +123,8 @@ def _format_source(src: Any, resolved: Resolved) -> str:
         return f"*= {ast.format_number(src.factor)}"
     if isinstance(src, Mean):
         n = len(src.texts)
-        return f"= mean({', '.join(src.prompts)}: {n} prompt{'s' if n != 1 else ''})"
+        where = "" if not src.positions else ", positions " + " ".join(str(p) for p in src.positions)
+        return f"= mean({', '.join(src.prompts)}: {n} prompt{'s' if n != 1 else ''}{where})"
     return "?"
 
 
@@ -133,6 +138,7 @@ def format_op(op: ResolvedOp, run: ResolvedRun, resolved: Resolved) -> str:
 
 
 def format_run_header(run: ResolvedRun) -> str:
+    """`trace NAME on PROMPT (N tokens)`, with max_new_tokens, route, and a sweep's axes resolved."""
     n = len(run.token_ids)
     head = f"{run.kind} {run.name} on {run.prompt} ({n} token{'s' if n != 1 else ''})"
     if run.max_new_tokens is not None:
@@ -186,13 +192,14 @@ def format_measure(m: ResolvedMeasure, run: ResolvedRun, spec: ModelSpec) -> str
     extra = ""
     if m.token_ids:
         spelled = spec.tokenizer.convert_ids_to_tokens(list(m.token_ids))
-        extra = " -> " + ", ".join(f"token {i} ({s!r})" for i, s in zip(m.token_ids, spelled))
+        extra = " -> " + ", ".join(f"token {i} ({s!r})" for i, s in zip(m.token_ids, spelled, strict=True))
     elif m.kind == "norm" and m.position is not None and m.position_var is None:
         extra = f" -> position {m.position}{_token(run, m.position)}"
     return f"{step}measure {m.written}{extra} as {m.result_name}"
 
 
 def _spell(spec: ModelSpec, text: str) -> tuple[str, ...]:
+    """A text's tokens as the tokenizer spells them."""
     return tuple(spec.tokenizer.convert_ids_to_tokens(spec.token_ids(text)))
 
 

@@ -103,13 +103,24 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
         raise DeltaModelError(f"cannot load the weights of {where!r}: {str(e).splitlines()[0]}") from None
     if device_map is None:
         hf = hf.to(device)
-    hf.eval()
+    return wrap_model(hf, tokenizer, spec.model_id)
 
+
+def wrap_model(hf: torch.nn.Module, tokenizer: Any, model_id: str | None = None) -> DeltaModel:
+    """Wrap an in-memory transformers model of a supported family (what `load_model` returns)."""
+    import attrs
+
+    model_id = model_id or getattr(hf.config, "_name_or_path", None) or type(hf).__name__
+    spec = spec_from_config(model_id, hf.config, tokenizer)
+    fam = spec.family
+    kernels.install(fam)
+    if getattr(tokenizer, "pad_token", None) is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    hf.eval()
     sites = _attach_sites(hf, spec)
     rename = {fam.mixer_type: "linear_attn"} if fam.mixer_attr != "linear_attn" else None
     model = DeltaModel(hf, tokenizer=tokenizer, envoys={fam.mixer_type: DeltaNetEnvoy}, rename=rename)
-    import attrs
-
     model.spec = attrs.evolve(spec, tokenizer=tokenizer)
     model.family = fam
     for layer, site in sites.items():

@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
-from lark import Lark, Token, Tree
+from lark import Lark, Token
+from lark import Tree as _LarkTree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 from lark.lark import PostLex
 
@@ -179,7 +180,8 @@ def _from_lark(e: UnexpectedInput, text: str) -> DeltaSyntaxError:
         if e.interactive_parser is not None:
             prev = _previous_token(e.interactive_parser)
             try:  # what the parser truly accepts (the lexer's set includes _SEP everywhere)
-                expected = set(e.interactive_parser.accepts()) or expected
+                ip: Any = e.interactive_parser
+                expected = set(ip.accepts()) or expected
             except Exception:  # noqa: BLE001 - only a better message is at stake
                 pass
         return _unexpected_token(e.token, expected, text, prev)
@@ -195,8 +197,8 @@ def _previous_token(ip: Any) -> Token | None:
     for v in reversed(stack):
         if isinstance(v, Token):
             return v
-        if isinstance(v, Tree):
-            toks = [t for t in v.scan_values(lambda x: isinstance(x, Token))]
+        if isinstance(v, _LarkTree):
+            toks: list[Token] = list(v.scan_values(lambda x: isinstance(x, Token)))
             if toks:
                 return toks[-1]
             return None
@@ -204,6 +206,7 @@ def _previous_token(ip: Any) -> Token | None:
 
 
 def _bad_character(e: UnexpectedCharacters, text: str) -> DeltaSyntaxError:
+    """A character no token starts with: most often an unterminated string."""
     line, col = e.line, e.column
     src = _line_of(text, line)
     char = e.char
@@ -216,78 +219,80 @@ def _bad_character(e: UnexpectedCharacters, text: str) -> DeltaSyntaxError:
         return DeltaSyntaxError("strings use double quotes: \"...\"", Span(line, col, line, col + 1))
     if char == "\\":
         return DeltaSyntaxError("a backslash only appears inside a string", Span(line, col, line, col + 1))
-    if char in "\r":
+    if char == "\r":
         return DeltaSyntaxError("a carriage return without a newline", Span(line, col, line, col + 1))
     shown = char if char.isprintable() else repr(char)
-    hint = ""
-    if char == "L" and src[col - 1:col + 2].startswith("L-"):
-        hint = "; a block number is not negative (L[-1] is the last block)"
-    return DeltaSyntaxError(f"unexpected character '{shown}'{hint}", Span(line, col, line, col + 1))
+    return DeltaSyntaxError(f"unexpected character '{shown}'", Span(line, col, line, col + 1))
 
 
 _STMT_TERMS = {k.upper() for k in STATEMENTS}
 
 
 def _unexpected_token(tok: Token, expected: set[str], text: str, prev: Token | None) -> DeltaSyntaxError:
+    """The message for a token the parser cannot take here: the common slips first, then a plain one."""
     span = _token_span(tok, text)
-    exp = {x for x in expected if x not in ("COMMENT",)}
-    at_statement_start = bool(exp & _STMT_TERMS)
-
+    exp = {x for x in expected if x != "COMMENT"}
     if tok.type == "$END":
-        if "LBRACE" in exp:
-            return DeltaSyntaxError("a run needs a body: '{', the statements it runs, then '}'", span)
-        if "RBRACE" in exp:
-            brace = _unclosed_brace(text)
-            return DeltaSyntaxError("missing '}': the block opened here is never closed", brace or span)
-        return DeltaSyntaxError(
-            f"the program ends in the middle of a statement: expected {_expected_words(exp)}", span)
-
+        return _unexpected_end(exp, text, span)
     if tok.type == "RBRACE" and "RBRACE" not in exp:
         if _unclosed_brace(text[: _offset(text, span)]) is None:
             return DeltaSyntaxError("unmatched '}': no block is open here", span)
-        return DeltaSyntaxError(
-            f"the statement is not finished before '}}': expected {_expected_words(exp)}", span)
-
-    if at_statement_start:
-        if tok.type == "NAME":
-            guess = difflib.get_close_matches(tok.value, STATEMENTS, n=1, cutoff=0.6)
-            if guess:
-                return DeltaSyntaxError(f"unknown statement '{tok.value}'; did you mean '{guess[0]}'?", span)
-            return DeltaSyntaxError(
-                f"unknown statement '{tok.value}': a statement starts with {_or_list(STATEMENTS)}", span)
-        if tok.type in ("LAYER", "LSTAR") or (tok.type == "NAME"):
-            rest = _line_of(text, span.line)[span.column - 1:].split("#")[0].split(";")[0].strip()
-            return DeltaSyntaxError(
-                f"a statement starts with a keyword; did you mean 'read {rest}'?", span)
-        if tok.type == "LBRACE":
-            return DeltaSyntaxError(
-                "a block needs a run header first: trace NAME on PROMPT { ... }", span)
-        return DeltaSyntaxError(
-            f"unexpected {_describe_token(tok)}: a statement starts with {_or_list(STATEMENTS)}", span)
-
+        return DeltaSyntaxError(f"the statement is not finished before '}}': expected {_expected_words(exp)}", span)
+    if exp & _STMT_TERMS:
+        return _not_a_statement(tok, text, span)
     if tok.type.upper() in _STMT_TERMS and "_SEP" in exp:
-        return DeltaSyntaxError(
-            f"'{tok.value}' starts a new statement: put a newline or ';' before it", span)
-
-    if prev is not None and prev.type == "NAME" and prev.value == "L" and tok.type == "INT":
-        return DeltaSyntaxError(
-            "a block is L3, L*, L[linear], L[attention], L[0:6] or L[0,2,4]; L[-1] is the last block", span)
-    if prev is not None and prev.type == "INT" and tok.type == "DOT":
-        return DeltaSyntaxError("expected a whole number here (a position or a block number)", span)
-    if prev is not None and prev.type == "DOT" and tok.type != "$END":
-        return DeltaSyntaxError(f"expected a value after '.', found {_describe_token(tok)}", span)
-    if tok.type in ("INT", "FLOAT") and prev is not None and prev.type == "EQUAL" and "NAME" in exp:
-        return DeltaSyntaxError(
-            f"after '=' comes zeros, the name of a read, or mean(PROMPTS); to scale write '*= {tok.value}'",
-            span)
-    if tok.type == "FLOAT" and "INT" in exp:
-        return DeltaSyntaxError(f"expected a whole number, found '{tok.value}'", span)
-    if tok.type == "_SEP" and exp == {"LBRACE"}:
-        return DeltaSyntaxError("a run needs a body: '{' and the statements it runs, then '}'", span)
-
+        return DeltaSyntaxError(f"'{tok.value}' starts a new statement: put a newline or ';' before it", span)
+    slip = _common_slip(tok, exp, prev)
+    if slip is not None:
+        return DeltaSyntaxError(slip, span)
     if len(exp) > 6:
         return DeltaSyntaxError(f"unexpected {_describe_token(tok)}", span)
     return DeltaSyntaxError(f"expected {_expected_words(exp)}, found {_describe_token(tok)}", span)
+
+
+def _unexpected_end(exp: set[str], text: str, span: Span) -> DeltaSyntaxError:
+    """The program stops too early: a run without a body, an unclosed block, half a statement."""
+    if "LBRACE" in exp:
+        return DeltaSyntaxError("a run needs a body: '{', the statements it runs, then '}'", span)
+    if "RBRACE" in exp:
+        brace = _unclosed_brace(text)
+        return DeltaSyntaxError("missing '}': the block opened here is never closed", brace or span)
+    return DeltaSyntaxError(f"the program ends in the middle of a statement: expected {_expected_words(exp)}", span)
+
+
+def _not_a_statement(tok: Token, text: str, span: Span) -> DeltaSyntaxError:
+    """Where a statement must start: a misspelt keyword, a bare site, a stray brace."""
+    if tok.type == "NAME":
+        guess = difflib.get_close_matches(tok.value, STATEMENTS, n=1, cutoff=0.6)
+        if guess:
+            return DeltaSyntaxError(f"unknown statement '{tok.value}'; did you mean '{guess[0]}'?", span)
+        return DeltaSyntaxError(
+            f"unknown statement '{tok.value}': a statement starts with {_or_list(STATEMENTS)}", span)
+    if tok.type in ("LAYER", "LSTAR"):
+        rest = _line_of(text, span.line)[span.column - 1:].split("#")[0].split(";")[0].strip()
+        return DeltaSyntaxError(f"a statement starts with a keyword; did you mean 'read {rest}'?", span)
+    if tok.type == "LBRACE":
+        return DeltaSyntaxError("a block needs a run header first: trace NAME on PROMPT { ... }", span)
+    return DeltaSyntaxError(
+        f"unexpected {_describe_token(tok)}: a statement starts with {_or_list(STATEMENTS)}", span)
+
+
+def _common_slip(tok: Token, exp: set[str], prev: Token | None) -> str | None:
+    """A message for a slip inside a statement that Lark would only call an unexpected token."""
+    prev_type = prev.type if prev is not None else None
+    if prev is not None and prev_type == "NAME" and prev.value == "L" and tok.type == "INT":
+        return "a block is L3, L*, L[linear], L[attention], L[0:6] or L[0,2,4]; L[-1] is the last block"
+    if prev_type == "INT" and tok.type == "DOT":
+        return "expected a whole number here (a position or a block number)"
+    if prev_type == "DOT":
+        return f"expected a value after '.', found {_describe_token(tok)}"
+    if tok.type in ("INT", "FLOAT") and prev_type == "EQUAL" and "NAME" in exp:
+        return f"after '=' comes zeros, the name of a read, or mean(PROMPTS); to scale write '*= {tok.value}'"
+    if tok.type == "FLOAT" and "INT" in exp:
+        return f"expected a whole number, found '{tok.value}'"
+    if tok.type == "_SEP" and exp == {"LBRACE"}:
+        return "a run needs a body: '{' and the statements it runs, then '}'"
+    return None
 
 
 def _offset(text: str, span: Span) -> int:
@@ -306,7 +311,10 @@ def _expected_words(exp: set[str]) -> str:
 
 # ---- parse tree -> AST ------------------------------------------------------
 
-_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t"}
+# Lark's trees hold Tokens and Trees side by side; the builder reads them by shape
+Node = Any
+
+_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t", "r": "\r"}
 
 
 class _Builder:
@@ -329,7 +337,7 @@ class _Builder:
             self.errors.append(a.error)
             return None
 
-    def span(self, node: Tree | Token) -> Span:
+    def span(self, node: Node | Token) -> Span:
         if isinstance(node, Token):
             return Span(node.line or 0, node.column or 0, node.end_line or node.line or 0,
                         node.end_column or (node.column or 0) + len(node.value))
@@ -349,7 +357,7 @@ class _Builder:
                 nxt = body[i + 1]
                 if nxt not in _ESCAPES:
                     col = (tok.column or 0) + 1 + i
-                    self.fail(f"unknown escape '\\{nxt}' in a string: the escapes are \\\" \\\\ \\n \\t",
+                    self.fail(f"unknown escape '\\{nxt}' in a string: the escapes are \\\" \\\\ \\n \\t \\r",
                               Span(tok.line or 0, col, tok.line or 0, col + 2))
                 out.append(_ESCAPES[nxt])
                 i += 2
@@ -366,17 +374,17 @@ class _Builder:
 
     # -- program and items --
 
-    def program(self, tree: Tree) -> ast.Program:
+    def program(self, tree: Node) -> ast.Program:
         items: list[ast.Item] = []
         for child in tree.children:
             if child is None:
                 continue
-            node = self.collect(lambda c=child: self.item(c, context=None))
+            node = self.collect(functools.partial(self.item, child, None))
             if node is not None:
                 items.append(node)
         return ast.Program(tuple(items), comments=tuple(_comments(self.text)), span=self.span(tree))
 
-    def item(self, tree: Tree, context: Tree | None, in_step: bool = False) -> Any:
+    def item(self, tree: Node, context: Node | None, in_step: bool = False) -> Any:
         """One item: a declaration, a run, or a statement, checked against where it stands."""
         kind = tree.data
         sp = self.span(tree)
@@ -404,53 +412,53 @@ class _Builder:
             self.fail("'route' applies to the whole run: put it outside 'step'", sp)
         return getattr(self, kind)(tree)
 
-    def describe_run(self, tree: Tree) -> str:
+    def describe_run(self, tree: Node) -> str:
         return f"'{tree.data} {tree.children[0]}'"
 
-    def model_decl(self, tree: Tree) -> ast.ModelDecl:
+    def model_decl(self, tree: Node) -> ast.ModelDecl:
         return ast.ModelDecl(self.string(tree.children[0]), span=self.span(tree))
 
-    def prompt_decl(self, tree: Tree) -> ast.PromptDecl:
+    def prompt_decl(self, tree: Node) -> ast.PromptDecl:
         name, text = tree.children
         return ast.PromptDecl(self.name(name, "a prompt"), self.string(text), span=self.span(tree))
 
-    def prompts_decl(self, tree: Tree) -> ast.PromptListDecl:
+    def prompts_decl(self, tree: Node) -> ast.PromptListDecl:
         name, *texts = tree.children
         strings = tuple(self.string(t) for t in texts if t is not None)
         if not strings:
             self.fail(f"the prompt list '{name}' is empty", self.span(tree))
         return ast.PromptListDecl(self.name(name, "a prompt list"), strings, span=self.span(tree))
 
-    def body(self, block: Tree, run: Tree) -> tuple[ast.Statement, ...]:
+    def body(self, block: Node, run: Node) -> tuple[ast.Statement, ...]:
         out: list[ast.Statement] = []
         for child in block.children:
             if child is None:
                 continue
-            node = self.collect(lambda c=child: self.item(c, context=run))
+            node = self.collect(functools.partial(self.item, child, run))
             if node is not None:
                 out.append(node)
         return tuple(out)
 
-    def trace(self, tree: Tree) -> ast.Trace:
+    def trace(self, tree: Node) -> ast.Trace:
         name, prompt, block = tree.children
         return ast.Trace(self.name(name, "a run"), str(prompt), self.body(block, tree), span=self.span(tree))
 
-    def generate(self, tree: Tree) -> ast.Generate:
+    def generate(self, tree: Node) -> ast.Generate:
         name, prompt, n, block = tree.children
         return ast.Generate(self.name(name, "a run"), str(prompt), int(n), self.body(block, tree),
                             span=self.span(tree))
 
-    def sweep(self, tree: Tree) -> ast.Sweep:
+    def sweep(self, tree: Node) -> ast.Sweep:
         name, prompt, *axes, block = tree.children
         built = tuple(self.axis(a) for a in axes)
         return ast.Sweep(self.name(name, "a run"), str(prompt), built, self.body(block, tree),
                          span=self.span(tree))
 
-    def axis(self, tree: Tree) -> ast.Axis:
+    def axis(self, tree: Node) -> ast.Axis:
         var, dom = tree.children
-        if isinstance(dom, Tree) and dom.data == "range":
-            a, b = dom.children
-            domain: Any = ast.Range(int(a), int(b), span=self.span(dom))
+        if isinstance(dom, _LarkTree) and dom.data == "range":
+            start, stop = (int(str(x)) for x in dom.children)
+            domain: Any = ast.Range(start, stop, span=self.span(dom))
         else:
             segs = dom.children
             if len(segs) != 1 or segs[0].data not in ("layer_seg", "star_seg", "bracket_seg"):
@@ -461,18 +469,18 @@ class _Builder:
 
     # -- statements --
 
-    def read(self, tree: Tree) -> ast.Read:
+    def read(self, tree: Node) -> ast.Read:
         *paths, alias = tree.children
         sites = tuple(self.site(p) for p in paths)
         if alias is not None and len(sites) > 1:
             self.fail("'as' names one site; read the others in a statement of their own", self.span(alias))
         return ast.Read(sites, None if alias is None else self.name(alias, "a read"), span=self.span(tree))
 
-    def write(self, tree: Tree) -> ast.Write:
+    def write(self, tree: Node) -> ast.Write:
         path, src = tree.children
         return ast.Write(self.site(path), self.source(src), span=self.span(tree))
 
-    def measure(self, tree: Tree) -> ast.Measure:
+    def measure(self, tree: Node) -> ast.Measure:
         *paths, alias = tree.children
         calls = tuple(self.measure_call(p) for p in paths)
         if alias is not None and len(calls) > 1:
@@ -481,7 +489,7 @@ class _Builder:
         return ast.Measure(calls, None if alias is None else self.name(alias, "a measure"),
                            span=self.span(tree))
 
-    def route(self, tree: Tree) -> ast.Route:
+    def route(self, tree: Node) -> ast.Route:
         tok = tree.children[0]
         if tok.value not in KERNELS:
             guess = difflib.get_close_matches(tok.value, KERNELS, n=1, cutoff=0.5)
@@ -490,13 +498,13 @@ class _Builder:
                       self.span(tok))
         return ast.Route(str(tok.value), span=self.span(tree))
 
-    def step(self, tree: Tree, context: Tree) -> ast.Step:
+    def step(self, tree: Node, context: Node) -> ast.Step:
         k, body = tree.children
         return ast.Step(int(k), self.item(body, context, in_step=True), span=self.span(tree))
 
     # -- sources --
 
-    def source(self, tree: Tree) -> ast.Source:
+    def source(self, tree: Node) -> ast.Source:
         sp = self.span(tree)
         if tree.data == "scale_source":
             tok = tree.children[0].children[0]
@@ -528,10 +536,10 @@ class _Builder:
             return ast.MeanSource(names, span=sp)
         self.fail(hint, self.span(seg))
 
-    def name_args(self, args: Tree | None, seg: Tree, message: str) -> tuple[str, ...]:
+    def name_args(self, args: Node | None, seg: Node, message: str) -> tuple[str, ...]:
         out: list[str] = []
         for a in (args.children if args is not None else []):
-            if isinstance(a, Tree) and len(a.children) == 1 and a.children[0].data == "name_seg":
+            if isinstance(a, _LarkTree) and len(a.children) == 1 and a.children[0].data == "name_seg":
                 out.append(str(a.children[0].children[0]))
             else:
                 self.fail(message, self.span(a))
@@ -541,7 +549,7 @@ class _Builder:
 
     # -- measures --
 
-    def measure_call(self, path: Tree) -> ast.MeasureCall:
+    def measure_call(self, path: Node) -> ast.MeasureCall:
         segs = path.children
         sp = self.span(path)
         usage = "a measure is prob(\" tok\"), logit_diff(\" a\", \" b\"), kl(RUN), norm(SITE) or rank(\" tok\")"
@@ -565,7 +573,7 @@ class _Builder:
             if len(arglist) != 1:
                 self.fail("kl takes the name of one run: kl(base)", sp)
             return ast.KL(run, span=sp)
-        if len(arglist) != 1 or not isinstance(arglist[0], Tree):
+        if len(arglist) != 1 or not isinstance(arglist[0], _LarkTree):
             self.fail("norm takes one site: norm(L0.state_output)", sp)
         return ast.Norm(self.site(arglist[0]), span=sp)
 
@@ -577,10 +585,10 @@ class _Builder:
 
     # -- sites, selectors, positions --
 
-    def site(self, path: Tree) -> ast.Site:
+    def site(self, path: Node) -> ast.Site:
         return self.site_from_segments(path.children, self.span(path))
 
-    def site_from_segments(self, segs: list[Tree], sp: Span) -> ast.Site:
+    def site_from_segments(self, segs: list[Node], sp: Span) -> ast.Site:
         usage = "a site is BLOCK.VALUE (L0.state_output, L[linear].state_after(3)) or a model-level value (logits)"
         if len(segs) > 2:
             self.fail(f"too many parts: {usage}", sp)
@@ -600,7 +608,7 @@ class _Builder:
         value, pos = self.value_part(tail)
         return ast.Site(block, value, pos, span=sp)
 
-    def value_part(self, seg: Tree) -> tuple[str, ast.Position | None]:
+    def value_part(self, seg: Node) -> tuple[str, ast.Position | None]:
         if seg.data == "name_seg":
             return str(seg.children[0]), None
         if seg.data != "call_seg":
@@ -611,7 +619,7 @@ class _Builder:
             self.fail(f"{fn}(...) takes one position: {fn}(3), {fn}(-1) or {fn}(\"word\")", self.span(seg))
         return str(fn), self.position(arglist[0])
 
-    def position(self, arg: Tree | Token) -> ast.Position:
+    def position(self, arg: Node | Token) -> ast.Position:
         usage = "a position is a number (3, -1), a quoted piece of the prompt (\"Tower\"), or a sweep variable"
         if isinstance(arg, Token):
             if arg.type == "INT":
@@ -623,7 +631,7 @@ class _Builder:
             return ast.VarPos(str(arg.children[0].children[0]), span=self.span(arg))
         self.fail(usage, self.span(arg))
 
-    def selector(self, seg: Tree) -> ast.Selector:
+    def selector(self, seg: Node) -> ast.Selector:
         sp = self.span(seg)
         if seg.data == "layer_seg":
             return ast.Block(int(seg.children[0].value[1:]), span=sp)
@@ -638,7 +646,7 @@ class _Builder:
             return ast.BlockList(tuple(self.sel_item(i) for i in items.children), span=sp)
         self.fail("expected a block: L3, L*, L[linear], L[0:6] or L[0,2,4]", sp)
 
-    def sel_item(self, tree: Tree) -> ast.SelItem:
+    def sel_item(self, tree: Node) -> ast.SelItem:
         sp = self.span(tree)
         if tree.data == "sel_index":
             return ast.SelIndex(int(tree.children[0]), span=sp)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import re
-from typing import Any, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterator, Mapping, NoReturn, Sequence, Union
 
 import attrs
 
@@ -147,7 +147,7 @@ class ResolvedRun:
         """Every point of a sweep: {variable: block index or resolved position}."""
         names = [a.var for a in self.axes]
         for combo in itertools.product(*(a.values for a in self.axes)):
-            yield dict(zip(names, combo))
+            yield dict(zip(names, combo, strict=True))
 
     def instantiate(self, binding: Mapping[str, int]) -> "ResolvedRun":
         """This sweep at one point: a trace named `NAME[var=value,...]` with concrete ops."""
@@ -330,8 +330,22 @@ def token_id(spec: ModelSpec, text: str) -> list[int]:
 
 def resolve(program: ast.Program, spec: ModelSpec, *, prompt_override: str | None = None,
             source: str = "", filename: str = "<program>") -> Resolved:
-    """Check `program` against `spec` and make it concrete. Raises DeltaErrors / DeltaResolveError."""
-    return _Resolver(program, spec, prompt_override, source, filename).run()
+    """Check `program` against `spec` and make it concrete. Raises DeltaErrors / DeltaResolveError.
+
+    `prompt_override` is the prompt of the implicit run `main` (the CLI's --prompt);
+    `source` and `filename`, when given, locate the errors for rendering.
+    """
+    try:
+        return _Resolver(program, spec, prompt_override, source, filename).run()
+    except DeltaError as e:
+        raise (e.located(source, filename) if source else e) from None
+
+
+def _values_of_block_var(body: Sequence[ast.Statement], var: str) -> set[str]:
+    """The catalogue values a sweep body reads or writes on the block variable `var`."""
+    return {node.value for node in ast.walk(tuple(body))
+            if isinstance(node, ast.Site) and isinstance(node.block, ast.BlockVar) and node.block.name == var
+            and node.value in values.CATALOGUE}
 
 
 class _Fail(Exception):
@@ -362,7 +376,6 @@ class _Ctx:
     axes: dict[str, SweepAxis]
     step: int | None = None
     route: str | None = None
-    route_span: Span | None = None
     used: set[str] = attrs.Factory(set)
     broken: set[str] = attrs.Factory(set)  # sweep variables whose axis did not resolve
 
@@ -399,6 +412,10 @@ def _shape(value: str) -> str:
     return v.shape if v is not None else values.MODEL_VALUES.get(value, "?")
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def _did_you_mean(word: str, options: Sequence[str]) -> str:
     guess = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f"; did you mean '{guess[0]}'?" if guess else ""
@@ -433,7 +450,7 @@ class _Resolver:
     def error(self, message: str, span: Span | None, notes: Sequence[str] = ()) -> None:
         self.errors.append(DeltaResolveError(message, span, notes=notes))
 
-    def fail(self, message: str, span: Span | None, notes: Sequence[str] = ()) -> Any:
+    def fail(self, message: str, span: Span | None, notes: Sequence[str] = ()) -> NoReturn:
         self.error(message, span, notes)
         raise _Fail
 
@@ -458,7 +475,9 @@ class _Resolver:
         runs: list[ResolvedRun] = []
         for i, item in enumerate(self.program.items):
             if isinstance(item, ast.PromptDecl) and item.name in self.implicit:
-                runs.append(self.implicit_run(item))
+                decl = self.prompts[item.name]  # --prompt may have replaced `main`
+                if isinstance(decl, ast.PromptDecl):
+                    runs.append(self.implicit_run(decl))
             runs.extend(d.build() for d in drafts.get(i, []))
         if self.errors:
             errs = sorted(self.errors, key=lambda e: (e.span.line, e.span.column) if e.span else (0, 0))
@@ -513,7 +532,9 @@ class _Resolver:
                        self.runs["main"].span)
         elif "main" not in self.defined:
             self.defined["main"] = ("run", first.span)
-        if self.override is not None:
+        if self.override is not None:  # --prompt: the prompt `main`, replacing a declared one
+            span = self.prompts["main"].span if "main" in self.prompts else first.span
+            self.prompts["main"] = ast.PromptDecl("main", self.override, span=span)
             self.prompt_texts["main"] = self.override
             self.main_prompt = "main"
             return
@@ -528,6 +549,7 @@ class _Resolver:
                    "or declare one (prompt main = \"...\")", first.span)
 
     def declare_aliases(self, run: str, body: Sequence[ast.Statement], in_sweep: bool) -> None:
+        """Enter the names `read ... as NAME` and `measure ... as NAME` define (forward uses are fine)."""
         for st in body:
             inner = st.body if isinstance(st, ast.Step) else st
             if isinstance(inner, (ast.Read, ast.Measure)) and inner.alias is not None:
@@ -624,12 +646,12 @@ class _Resolver:
                 continue
             seen.add(axis.var)
             try:
-                out.append(self.resolve_axis(axis, ctx))
+                out.append(self.resolve_axis(axis, ctx, run.body))
             except _Fail:
                 pass
         return tuple(out)
 
-    def resolve_axis(self, axis: ast.Axis, ctx: _Ctx) -> SweepAxis:
+    def resolve_axis(self, axis: ast.Axis, ctx: _Ctx, body: Sequence[ast.Statement]) -> SweepAxis:
         d = axis.domain
         if isinstance(d, ast.Range):
             if d.start >= d.stop:
@@ -641,7 +663,14 @@ class _Resolver:
                 p = self.index(t, ctx.toks, ctx.prompt, d.span, f"{axis.var} in {d.start}..{d.stop} reaches {t}: ")
                 positions.append(p)
             return SweepAxis(axis.var, "position", tuple(positions), labels, span=axis.span)
-        blocks = self.expand(d, None, axis.span)
+        if isinstance(d, ast.AllBlocks):  # L*: the blocks that have every value the body takes from it
+            wanted = _values_of_block_var(body, axis.var)
+            blocks = [i for i in range(self.spec.num_layers)
+                      if all(self.spec.unavailable(i, v) is None for v in wanted)]
+            if not blocks:
+                self.fail(f"no block has all of {', '.join(sorted(wanted))}", axis.span)
+        else:
+            blocks = self.expand(d, None, axis.span)
         return SweepAxis(axis.var, "block", tuple(blocks), tuple(blocks), span=axis.span)
 
     # -- bodies --
@@ -659,11 +688,14 @@ class _Resolver:
         return ops, measures
 
     def statement(self, st: ast.Statement, ctx: _Ctx, ops: list[Any], measures: list[ResolvedMeasure]) -> None:
+        """Resolve one statement of a run into `ops` and `measures`."""
         if isinstance(st, ast.Step):
             if ctx.kind != "generate":
                 self.fail("'step' only works inside a generate block", st.span)
             assert ctx.max_new_tokens is not None
-            if not 0 <= st.index < ctx.max_new_tokens:
+            if st.index < 0:
+                self.fail(f"steps count from 0 (the prompt): step {st.index}", st.span)
+            if st.index >= ctx.max_new_tokens:
                 self.fail(f"step {st.index} is past the run: '{ctx.name}' makes {ctx.max_new_tokens} new tokens, "
                           f"so its steps are 0 (the prompt) to {ctx.max_new_tokens - 1}", st.span)
             ctx.step = st.index
@@ -708,6 +740,7 @@ class _Resolver:
             yield t, n, len(ts)
 
     def read_op(self, t: _Target, alias: str | None, ctx: _Ctx, span: Span) -> ResolvedOp:
+        """A read of one target, named by DESIGN's rules; `as NAME` records what the name holds."""
         name = op_result_name(ctx.name, t.step, t.layer, t.value,
                               t.position if t.position_var is None else f"{{{t.position_var}}}",
                               alias, t.multi, t.layer_var)
@@ -764,7 +797,8 @@ class _Resolver:
         return [_Target(b, v, position, None, position_var, ast.format_site(attrs.evolve(site, block=ast.Block(b))),
                         multi, step, raw) for b in blocks]
 
-    def unknown_value(self, site: ast.Site, block_level: bool) -> None:
+    def unknown_value(self, site: ast.Site, block_level: bool) -> NoReturn:
+        """The error for a value name the catalogue does not know."""
         v = site.value
         if v in values.PYTHON_ONLY:
             self.fail(f"'{v}' is the Python API's spelling; in a program write states (after every token) "
@@ -807,16 +841,17 @@ class _Resolver:
                   notes=["positions of the prompt are computed at step 0: write 'step 0: ...'"])
 
     def position_var(self, pos: ast.VarPos, ctx: _Ctx) -> str:
+        """A position given by a sweep variable: it must range over positions."""
         axis = ctx.axes.get(pos.name)
         if pos.name in ctx.broken:
             raise _Fail  # its axis's error is reported
         if axis is None:
             self.fail(f"unknown position '{pos.name}': a position is a number (3, -1), a quoted piece of the "
                       f"prompt (\"Tower\"), or a sweep variable", pos.span)
+        ctx.used.add(pos.name)
         if axis.kind != "position":
             self.fail(f"'{pos.name}' ranges over blocks, not positions: a position variable ranges over "
                       f"numbers (t in 0..9)", pos.span)
-        ctx.used.add(pos.name)
         return pos.name
 
     def index(self, p: int, toks: PromptTokens, prompt: str, span: Span, prefix: str = "") -> int:
@@ -865,12 +900,13 @@ class _Resolver:
                 if why is not None:
                     if isinstance(sel, ast.Block):
                         self.fail(f"L{b} has no value '{value}': {why}", span)
-                    what = ast.format_selector(sel)
+                    what = f"'{sel.name}'" if isinstance(sel, ast.BlockVar) else ast.format_selector(sel)
                     self.fail(f"{what} covers L{b}, which has no value '{value}': {why}", span,
                               notes=[f"L[linear] or L* selects only the blocks that have '{value}'"])
         return blocks
 
     def bracket(self, sel: ast.BlockList, n: int, blocks_note: str) -> list[int]:
+        """The blocks of `L[...]`: the union of its numbers, slices and kinds, in block order."""
         chosen: set[int] = set()
         for item in sel.items:
             if isinstance(item, ast.SelIndex):
@@ -881,11 +917,11 @@ class _Resolver:
             elif isinstance(item, ast.SelSlice):
                 for end in (item.start, item.stop):
                     if end is not None and not -n <= end <= n:
-                        self.fail(f"the slice {ast._format_sel_item(item)} reaches past the last block: {blocks_note}",
+                        self.fail(f"the slice {ast.format_sel_item(item)} reaches past the last block: {blocks_note}",
                                   item.span)
                 got = list(range(n))[item.start:item.stop]
                 if not got:
-                    self.fail(f"the slice {ast._format_sel_item(item)} selects no blocks (slices are half-open)",
+                    self.fail(f"the slice {ast.format_sel_item(item)} selects no blocks (slices are half-open)",
                               item.span)
                 chosen.update(got)
             else:
@@ -896,6 +932,7 @@ class _Resolver:
         return sorted(chosen)
 
     def block_var(self, sel: ast.BlockVar, ctx: _Ctx | None) -> list[int]:
+        """The blocks of a sweep variable used as a block (`L.state_after(t)`)."""
         axis = ctx.axes.get(sel.name) if ctx is not None else None
         if ctx is not None and sel.name in ctx.broken:
             raise _Fail  # its axis's error is reported
@@ -906,16 +943,17 @@ class _Resolver:
                           f"'from {sel.name}.VALUE'", sel.span)
             self.fail(f"'{sel.name}' is not a block: a block is L3, L*, L[linear], L[0:6] or L[0,2,4]"
                       + (" (or a sweep variable)" if ctx is not None and ctx.kind == "sweep" else ""), sel.span)
+        assert ctx is not None
+        ctx.used.add(sel.name)
         if axis.kind != "block":
             self.fail(f"'{sel.name}' ranges over positions, not blocks: a block variable ranges over a selector "
                       f"(L in L[linear])", sel.span)
-        assert ctx is not None
-        ctx.used.add(sel.name)
         return list(axis.values)
 
     # -- write sources --
 
     def write_source(self, src: ast.Source, t: _Target, n: int, count: int, ctx: _Ctx) -> Any:
+        """The source of a write to target block number `n` of `count` (`= NAME` is left pending)."""
         if isinstance(src, ast.ZerosSource):
             return Zeros()
         if isinstance(src, ast.ScaleSource):
@@ -999,7 +1037,7 @@ class _Resolver:
         position, pmap = self.donor_position(raw, explicit, t, value, run, kind, dtoks, span, ctx)
         if kind == "generate" and step is None and (position is not None or pmap):
             step = 0  # a position of the prompt: step 0
-        self.check_rows(value, t, dtoks, run, src.span, ctx)
+        self.check_rows(value, t, dtoks, f"'{run}'", src.span, ctx)
         pvar = raw.name if isinstance(raw, ast.VarPos) else None
         return FromRun(run, layer, value, position, step, layer_var, pvar, pmap)
 
@@ -1021,7 +1059,7 @@ class _Resolver:
         if isinstance(raw, ast.VarPos):
             axis = ctx.axes[raw.name]
             pairs = []
-            for v, label in zip(axis.values, axis.labels):
+            for v, label in zip(axis.values, axis.labels, strict=True):
                 p = label if label < 0 else v
                 pairs.append((v, self.index(p, dtoks, run, span, f"{raw.name} = {label} in '{run}': ")))
             return None, tuple(pairs)
@@ -1031,8 +1069,11 @@ class _Resolver:
             return self.piece(raw, dtoks, run), ()
         assert t.position is not None
         if t.position >= n:
-            self.fail(f"position {t.position} is past the end of '{run}', whose prompt has {n} tokens "
-                      f"(0..{n - 1}); name '{run}''s own position: from {run}.{value}(\"word\") or "
+            if run.startswith("mean"):
+                self.fail(f"position {t.position} is past the end of a prompt of {run}: {ast.quote(dtoks.text)} "
+                          f"has {_tokens(n)}; a position from the end (-1) fits every prompt", span)
+            self.fail(f"position {t.position} is past the end of '{run}', whose prompt has {_tokens(n)} "
+                      f"(0..{n - 1}); name a position of its own: from {run}.{value}(\"word\") or "
                       f"from {run}.{value}(-1)", span)
         return t.position, ()
 
@@ -1041,7 +1082,7 @@ class _Resolver:
         info = values.CATALOGUE.get(value)
         if info is not None and info.per_token and not (t.step or 0) > 0 and len(dtoks) != len(ctx.toks):
             self.fail(f"the shapes do not fit: {value} has a row per token, and '{ctx.prompt}' has "
-                      f"{len(ctx.toks)} tokens while {run} has {len(dtoks)}", span)
+                      f"{_tokens(len(ctx.toks))} while {run} has {len(dtoks)}", span)
 
     def mean(self, src: ast.MeanSource, t: _Target, ctx: _Ctx) -> Mean:
         texts: list[str] = []
@@ -1060,13 +1101,13 @@ class _Resolver:
         if t.position_var is not None:
             self.fail("mean(...) at a sweep variable's position is not supported: name the position", src.span)
         positions: list[int] = []
+        label = "mean(" + ", ".join(src.prompts) + ")"
         for text in texts:
             toks = self.tokens(text)
-            label = f"the prompt {ast.quote(text)}"
             pos, _ = self.donor_position(t.raw, False, t, t.value, label, "trace", toks, src.span, ctx)
             if pos is not None:
                 positions.append(pos)
-            self.check_rows(t.value, t, toks, label, src.span, ctx)
+            self.check_rows(t.value, t, toks, f"the prompt {ast.quote(text)} of {label}", src.span, ctx)
         return Mean(tuple(src.prompts), tuple(texts), tuple(positions) if t.raw is not None else None)
 
     def finish_deferred(self) -> None:

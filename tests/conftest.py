@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random-weight checkpoints of every family, built once per session.
+
+`tiny_models` maps each family name to a checkpoint directory (config,
+safetensors, byte-level tokenizer) written by `deltalang.testing.build_tiny`;
+`tiny_spec(family)` gives that checkpoint's `ModelSpec` (config and tokenizer
+only), cached. `tiny_path(family)` gives the directory. Building all five takes a
+few seconds; nothing reaches a network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from deltalang.spec import ModelSpec, load_spec
+from deltalang.testing import FAMILY_NAMES, build_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{family: checkpoint directory} for all five families."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {fam: build_tiny(fam, root / fam) for fam in FAMILY_NAMES}
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tiny_models: dict[str, Path]) -> Callable[[str], Path]:
+    """`tiny_path("qwen3_5")`: the directory of that family's tiny checkpoint."""
+
+    def get(family: str = "qwen3_5") -> Path:
+        if family not in tiny_models:
+            raise KeyError(f"no tiny checkpoint of {family!r}; families: {', '.join(tiny_models)}")
+        return tiny_models[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_spec(tiny_models: dict[str, Path]) -> Callable[[str], ModelSpec]:
+    """`tiny_spec("qwen3_5")`: the ModelSpec of that family's tiny checkpoint (cached)."""
+    cache: dict[str, ModelSpec] = {}
+
+    def get(family: str = "qwen3_5") -> ModelSpec:
+        if family not in cache:
+            cache[family] = load_spec(tiny_models[family])
+        return cache[family]
+
+    return get
