@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .families import Family
 
 _STACK: list["MixerSite"] = []
+DIRECT = "!direct"  # names of positions written through `MixerSite.direct`, without a trace
 _POSITION = re.compile(r"\.(state_after|conv_window_after)\.(-?\d+)(?:@(\d+))?$")
 
 
@@ -59,6 +60,9 @@ class MixerSite:
         self.seq_len = 0
         self.cache: Any = None
         self.running = False
+        # writes applied without a trace (the sweep engine): (value kind, absolute position) ->
+        # (rows of the batch, the value for those rows)
+        self.direct: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks = [
             module.register_forward_pre_hook(self._enter, with_kwargs=True),
             module.register_forward_hook(self._exit, always_call=True),
@@ -91,6 +95,8 @@ class MixerSite:
 
     def active(self) -> bool:
         """Whether some worker of the running trace waits on one of this mixer's values."""
+        if self.direct:
+            return True
         il = self.interleaver
         if il is None or not il.interleaving or not il.parked:
             return False
@@ -104,7 +110,8 @@ class MixerSite:
         """Which call of this mixer in the running trace this is: the generation step."""
         loc = self.path + ".input"
         il = self.interleaver
-        assert il is not None
+        if il is None or not il.interleaving:
+            return 0
         for m in self._mediators():
             return il.counts.get(loc, 0) - m.counts_at_start.get(loc, 0) - 1
         return 0
@@ -114,6 +121,8 @@ class MixerSite:
 
     def serve(self, name: str, value: Any, step: int) -> Any:
         """Hand `value` to the workers waiting on this mixer's `name` at `step`; return it, maybe replaced."""
+        if name.endswith(DIRECT):
+            return self._apply_direct(name, value)
         il = self.interleaver
         loc = f"{self.path}.{name}"
         if il is None or loc not in il.parked:
@@ -132,7 +141,10 @@ class MixerSite:
         """Absolute positions (in this call's padded rows) that workers wait on for `kind`, with their names."""
         il = self.interleaver
         out: dict[int, list[str]] = {}
-        if il is None:
+        for (k, pos), _ in self.direct.items():
+            if k == kind:
+                out.setdefault(pos + offset, []).append(f"{kind}.{pos}{DIRECT}")
+        if il is None or not il.interleaving:
             return out
         prefix = self.path
         for m in self._mediators():
@@ -155,6 +167,13 @@ class MixerSite:
                     + (f" at step {step}" if step else ""))
             out.setdefault(pad + pos + offset, []).append(f"{kind}.{match.group(2)}" + (
                 f"@{match.group(3)}" if match.group(3) is not None else ""))
+        return out
+
+    def _apply_direct(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        kind, pos = name[: -len(DIRECT)].rsplit(".", 1)
+        rows, new = self.direct[(kind, int(pos))]
+        out = value.clone()
+        out[rows] = new.to(device=out.device, dtype=out.dtype)
         return out
 
     # -- the kernel ------------------------------------------------------------
