@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_args(p)
         p.add_argument("--device", default="cpu")
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+        p.add_argument("--device-map", default=None,
+                       help="shard a large checkpoint over the local GPUs (e.g. 'auto'; needs accelerate)")
+        p.add_argument("--remote", nargs="?", const="ndif", choices=["ndif", "local"], default=None,
+                       help="run the passes through nnsight's remote execution (NDIF); 'local' simulates it here")
         if name == "run":
             p.add_argument("--out", help="write results.safetensors, results.json, program.dl, emitted.py here")
         else:

@@ -138,10 +138,12 @@ def _prompt_ref(run: RunPlan, prompts: dict[str, str]) -> str:
     return f"PROMPTS[{run.prompt!r}]" if run.prompt in prompts else repr(run.prompt_text)
 
 
-def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tuple[str, ...]]) -> None:
+def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tuple[str, ...]],
+              remote: bool = False) -> None:
     names = ", ".join(r.name + (" (implicit)" if r.implicit else "") for r in p.runs)
     w.add(1, f"# pass {p.index}: {names}")
     depth = 1
+    rem = ", remote=remote" if remote else ""
     if p.route:
         w.add(1, f"deltalang.route_kernels(model.family, {p.route!r})")
         w.add(1, "try:")
@@ -150,14 +152,14 @@ def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tu
         run = p.runs[0]
         n = run.max_new_tokens
         w.add(depth, f"with torch.no_grad(), model.generate({_prompt_ref(run, prompts)}, max_new_tokens={n}, "
-                     f"min_new_tokens={n}, do_sample=False) as tracer:")
+                     f"min_new_tokens={n}, do_sample=False{rem}) as tracer:")
         emit_run_body(w, run, depth + 1, tokens)
     elif len(p.runs) == 1:
         run = p.runs[0]
-        w.add(depth, f"with torch.no_grad(), model.trace({_prompt_ref(run, prompts)}):")
+        w.add(depth, f"with torch.no_grad(), model.trace({_prompt_ref(run, prompts)}{rem}):")
         emit_run_body(w, run, depth + 1, tokens)
     else:
-        w.add(depth, "with torch.no_grad(), model.trace() as tracer:")
+        w.add(depth, f"with torch.no_grad(), model.trace({rem.lstrip(', ')}) as tracer:")
         for run in p.runs:
             w.add(depth + 1, f"with tracer.invoke({_prompt_ref(run, prompts)}):", note=run.name)
             emit_run_body(w, run, depth + 2, tokens)
@@ -166,7 +168,8 @@ def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tu
         w.add(2, "deltalang.route_kernels(model.family, 'default')")
 
 
-def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None) -> Emitted:
+def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None,
+         remote: bool = False) -> Emitted:
     """The plan as a Python module defining `experiment(model) -> dict[str, Tensor | float]`."""
     resolved = plan.resolved
     w = _Writer(filename.rsplit("/", 1)[-1])
@@ -187,16 +190,22 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.add(0, "from deltalang import measures")
     w.add(0, "")
     w.add(0, f"MODEL = {model_id!r}  # None: the bundled model")
+    if remote:
+        w.add(0, f"REMOTE = {remote!r}")
     w.add(0, "PROMPTS = {")
     for name, text in prompts.items():
         w.add(1, f"{name!r}: {text!r},")
     w.add(0, "}")
     w.blank()
     w.blank()
-    w.add(0, "def experiment(model):")
+    if remote:
+        w.add(0, "def experiment(model, remote=True):")
+        w.add(1, "# remote=True runs each pass on NDIF (nnsight's remote execution); 'local' simulates it here")
+    else:
+        w.add(0, "def experiment(model):")
     w.add(1, "results = {}")
     for p in plan.passes:
-        emit_pass(w, p, prompts, tokens)
+        emit_pass(w, p, prompts, tokens, remote)
         for c in p.then:
             inputs = ", ".join(f"results[{k!r}]" for k in c.inputs)
             w.add(1, f"results[{c.key!r}] = torch.stack([{inputs}]).mean(dim=0)")
@@ -222,7 +231,10 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.blank()
     w.add(0, 'if __name__ == "__main__":')
     w.add(1, "model = deltalang.load_model(MODEL)")
-    w.add(1, "print(deltalang.Results(experiment(model), model=model))")
+    if remote:
+        w.add(1, "print(deltalang.Results(experiment(model, remote=REMOTE), model=model))")
+    else:
+        w.add(1, "print(deltalang.Results(experiment(model), model=model))")
     return Emitted("\n".join(w.lines) + "\n", w.map)
 
 

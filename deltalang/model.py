@@ -96,6 +96,10 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
     if dtype is not None:
         kwargs["dtype"] = parse_dtype(dtype)
     if device_map is not None:
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            raise DeltaModelError("--device-map needs accelerate: pip install accelerate") from None
         kwargs["device_map"] = device_map
     try:
         hf = AutoModelForCausalLM.from_pretrained(where, **kwargs)

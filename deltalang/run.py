@@ -34,13 +34,14 @@ _MODELS: dict[tuple, DeltaModel] = {}
 
 
 def get_model(model: Any = None, *, device: str = "cpu", dtype: Any = None,
-              trust_remote_code: bool = False) -> DeltaModel:
+              trust_remote_code: bool = False, device_map: str | None = None) -> DeltaModel:
     """A loaded model: `model` itself, or a path / hub id / None (bundled), loaded once per process."""
     if isinstance(model, DeltaModel):
         return model
-    key = (str(model) if model is not None else None, device, str(dtype), trust_remote_code)
+    key = (str(model) if model is not None else None, device, str(dtype), trust_remote_code, device_map)
     if key not in _MODELS:
-        _MODELS[key] = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        _MODELS[key] = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                                  device_map=device_map)
     return _MODELS[key]
 
 
@@ -155,7 +156,7 @@ class Experiment:
     """A compiled program: its `plan`, its `code`, and `run()`."""
 
     def __init__(self, source: str, model: DeltaModel, *, filename: str = "<program>",
-                 prompt: str | None = None, batch: bool = True) -> None:
+                 prompt: str | None = None, batch: bool = True, remote: bool | str = False) -> None:
         from .check import check
 
         self.source = source
@@ -168,7 +169,8 @@ class Experiment:
             raise e.located(source, filename)
         from .emit import emit
 
-        self.emitted = emit(self.plan, filename=filename, model_id=_model_arg(model))
+        self.remote = remote
+        self.emitted = emit(self.plan, filename=filename, model_id=_model_arg(model), remote=bool(remote))
 
     @property
     def code(self) -> str:
@@ -184,7 +186,8 @@ class Experiment:
         namespace: dict[str, Any] = {"__name__": "deltalang_emitted", "__file__": name}
         exec(builtins.compile(self.code, name, "exec"), namespace)
         try:
-            values = namespace["experiment"](self.model)
+            values = (namespace["experiment"](self.model, remote=self.remote) if self.remote
+                      else namespace["experiment"](self.model))
         except DeltaError as e:
             raise self._locate(e, name, e) from None
         except Exception as e:  # an error inside the trace: point at the program line
@@ -213,15 +216,20 @@ def _model_arg(model: DeltaModel) -> str | None:
 
 
 def compile(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
-            batch: bool = True) -> Experiment:
-    """Parse, check, plan and emit a program against a model (loaded once and reused)."""
-    return Experiment(source, _model_for(source, model, filename), filename=filename, prompt=prompt, batch=batch)
+            batch: bool = True, remote: bool | str = False) -> Experiment:
+    """Parse, check, plan and emit a program against a model (loaded once and reused).
+
+    `remote=True` runs every pass through nnsight's remote execution (NDIF; the server needs
+    deltalang installed); `remote="local"` simulates that path on this machine.
+    """
+    return Experiment(source, _model_for(source, model, filename), filename=filename, prompt=prompt, batch=batch,
+                      remote=remote)
 
 
 def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
-        batch: bool = True) -> Results:
+        batch: bool = True, remote: bool | str = False) -> Results:
     """Compile and run a program; returns its Results."""
-    return compile(source, model, filename=filename, prompt=prompt, batch=batch).run()
+    return compile(source, model, filename=filename, prompt=prompt, batch=batch, remote=remote).run()
 
 
 def _model_for(source: str, model: Any, filename: str, **kw: Any) -> DeltaModel:
@@ -260,8 +268,9 @@ def _read_source(args: argparse.Namespace) -> tuple[str, str]:
 def _experiment(args: argparse.Namespace) -> Experiment:
     source, filename = _read_source(args)
     model = _model_for(source, args.model, filename, device=args.device, dtype=args.dtype,
-                       trust_remote_code=args.trust_remote_code)
-    return Experiment(source, model, filename=filename, prompt=args.prompt)
+                       trust_remote_code=args.trust_remote_code, device_map=args.device_map)
+    remote: bool | str = {"ndif": True, "local": "local"}.get(args.remote or "", False)
+    return Experiment(source, model, filename=filename, prompt=args.prompt, remote=remote)
 
 
 def emit_main(args: argparse.Namespace) -> int:

@@ -232,3 +232,30 @@ def test_random_programs_read_what_they_would_read_alone(model: deltalang.DeltaM
             else:
                 # splitting the chunked kernel at other positions is exact up to float rounding
                 assert _same(results[key], value, atol=1e-5, rtol=1e-4), (key, source)
+
+
+# ---------------------------------------------------------------------------
+# past one machine: nnsight's remote path (simulated here) and device maps
+# ---------------------------------------------------------------------------
+
+
+def test_remote_local_simulation_gives_the_same_results(model: deltalang.DeltaModel) -> None:
+    source = (EXAMPLES / "decode_patch.dl").read_text()
+    here = deltalang.run(source, model)
+    exp = deltalang.compile(source, model, remote="local")
+    assert "remote=remote" in exp.code and "def experiment(model, remote=True)" in exp.code
+    there = exp.run()
+    for key in here:
+        assert _same(here[key], there[key]), key
+
+
+def test_device_map_without_accelerate_is_a_clear_error() -> None:
+    pytest.importorskip("transformers")
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        with pytest.raises(DeltaError, match="needs accelerate"):
+            deltalang.load_model(tiny_checkpoint("qwen3_5"), device_map="auto")
+    else:
+        m = deltalang.load_model(tiny_checkpoint("qwen3_5"), device_map="auto")
+        assert deltalang.run("read L0.state_output", m, prompt="hello")["main.L0.state_output"].shape[0] == 1
