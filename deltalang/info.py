@@ -33,13 +33,16 @@ def status(spec: ModelSpec, layer: int, name: str) -> str:
     if why is not None:
         return why
     v = values.CATALOGUE[name]
-    if v.kernel:
-        compiled = kernels.compiled_kernels(spec.family)
-        if compiled:
-            which = ", ".join(f"{k} -> {w}" for k, w in compiled.items())
-            return (f"compiled kernel has no Python source: {which}; call "
-                    f"deltalang.route_kernels(model.family, 'torch') or uninstall flash-linear-attention "
-                    f"/ causal-conv1d")
+    fam = spec.family
+    compiled = kernels.compiled_kernels(fam)
+    needed: list[str] = []
+    if name == "conv_window_after":
+        needed = [fam.conv_fn]
+    elif v.kernel and kernels.current_route(fam) != "torch":
+        needed = [fam.chunk_kernel]
+    for kernel in needed:
+        if kernel in compiled:
+            return kernels.compiled_message(fam, kernel)
     return AVAILABLE
 
 

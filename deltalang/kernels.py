@@ -43,16 +43,29 @@ def original(fam: families.Family, name: str) -> Callable[..., Any]:
     return _ORIGINALS[fam.name][name]
 
 
+_SOURCE: dict[int, bool] = {}
+
+
 def has_python_source(fn: Callable[..., Any]) -> bool:
     """Whether `fn` is transformers' pure-torch kernel (not a compiled one without source)."""
-    mod = getattr(fn, "__module__", "") or ""
-    if not mod.startswith("transformers."):
-        return False
-    try:
-        inspect.getsource(fn)
-    except (OSError, TypeError):
-        return False
-    return True
+    key = id(fn)
+    if key not in _SOURCE:
+        mod = getattr(fn, "__module__", "") or ""
+        ok = mod.startswith("transformers.")
+        if ok:
+            try:
+                inspect.getsource(fn)
+            except (OSError, TypeError):
+                ok = False
+        _SOURCE[key] = ok
+    return _SOURCE[key]
+
+
+def compiled_message(fam: families.Family, name: str) -> str:
+    fn = _ORIGINALS[fam.name][name]
+    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return (f"compiled kernel has no Python source: {name} -> {where}; call "
+            f"deltalang.route_kernels(model.family, 'torch') (or uninstall flash-linear-attention / causal-conv1d)")
 
 
 def compiled_kernels(fam: families.Family) -> dict[str, str]:
@@ -158,10 +171,25 @@ def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> 
             return site.conv_update(fn, *args, **kwargs)
         return fn(*args, **kwargs)
 
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        site = current_site()
+        if site is not None and site.active() and which != "recurrent" and not has_python_source(fn):
+            if which != "chunk" or _ROUTE[fam.name] != "torch":
+                from .errors import DeltaValueError
+
+                name = fam.chunk_kernel if which == "chunk" else (fam.conv_fn if which == "conv" else fam.conv_update)
+                raise DeltaValueError(f"L{site.layer}: {compiled_message(fam, name)}")
+        return dispatch(*args, **kwargs)
+
+    guarded.__name__ = getattr(fn, "__name__", which)
+    guarded.__qualname__ = f"deltalang_dispatch.{guarded.__name__}"
+    guarded.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
+    if has_python_source(fn):
+        guarded = dispatch  # the common case pays for no check
     dispatch.__name__ = getattr(fn, "__name__", which)
     dispatch.__qualname__ = f"deltalang_dispatch.{dispatch.__name__}"
     dispatch.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
-    return dispatch
+    return guarded
 
 
 # --------------------------------------------------------------------------

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 _STACK: list["MixerSite"] = []
 DIRECT = "!direct"  # names of positions written through `MixerSite.direct`, without a trace
+# the values this module serves from inside the kernel call (the others are nnsight's own)
+SERVED = frozenset(name for name, v in values.CATALOGUE.items() if v.kernel) | {"states_as_run"}
 _POSITION = re.compile(r"\.(state_after|conv_window_after)\.(-?\d+)(?:@(\d+))?$")
 
 
@@ -101,7 +103,8 @@ class MixerSite:
         if il is None or not il.interleaving or not il.parked:
             return False
         prefix = self.path + "."
-        return any(p.startswith(prefix) for p in il.parked)
+        n = len(prefix)
+        return any(p.startswith(prefix) and p[n:].split(".", 1)[0].split("@", 1)[0] in SERVED for p in il.parked)
 
     def _mediators(self) -> list[Mediator]:
         return [] if self.interleaver is None else self.interleaver.mediators

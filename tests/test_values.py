@@ -343,3 +343,39 @@ def test_batched_invokes_count_each_prompts_own_tokens(loaded: tuple) -> None:
         for a, b in zip(solo[text], together[text]):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_a_compiled_kernel_is_reported_with_its_fix() -> None:
+    """With flash-linear-attention installed the kernel name holds compiled code without source."""
+    fam = deltalang.families.qwen3_5
+    module = fam.module
+    real = kernels.original(fam, fam.chunk_kernel)
+
+    def chunk_gated_delta_rule(*args, **kwargs):  # stands in for fla's compiled kernel
+        return real(*args, **kwargs)
+
+    chunk_gated_delta_rule.__module__ = "fla.ops.gated_delta_rule"
+    kernels.uninstall(fam)
+    setattr(module, fam.chunk_kernel, chunk_gated_delta_rule)
+    kernels.install(fam)
+    try:
+        model = deltalang.load_model(tiny_checkpoint("qwen3_5"))
+        status = model.support(layer=0)
+        assert status["linear_attn.state_output"].startswith("compiled kernel has no Python source")
+        assert "route_kernels" in status["linear_attn.state_output"]
+        assert status["linear_attn.attention_output"] == "available"
+        with pytest.raises(DeltaValueError, match="compiled kernel has no Python source"):
+            with torch.no_grad(), model.trace(PROMPT):
+                model.layers[0].linear_attn.state_output.save()
+        with torch.no_grad(), model.trace(PROMPT):  # the mixer's output needs no kernel value
+            model.layers[0].linear_attn.attention_output.save()
+        deltalang.route_kernels(fam, "torch")
+        assert model.support(layer=0)["linear_attn.state_output"] == "available"
+        with torch.no_grad(), model.trace(PROMPT):
+            final = model.layers[0].linear_attn.state_output.save()
+        assert final.shape[0] == 1
+    finally:
+        deltalang.route_kernels(fam, "default")
+        kernels.uninstall(fam)
+        setattr(module, fam.chunk_kernel, real)
+        kernels.install(fam)
