@@ -23,7 +23,7 @@ prompt, step k the k-th new token, whichever kernel ran.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -172,6 +172,17 @@ class MixerSite:
                 f"@{match.group(3)}" if match.group(3) is not None else ""))
         return out
 
+    def _names_at(self, kind: str, step: int, p: int, offset: int = 0) -> Iterator[str]:
+        """The requests waiting at position p, including those a served worker makes next."""
+        served: set[str] = set()
+        while True:
+            fresh = [n for n in self.positions(kind, step, offset).get(p, []) if n not in served]
+            if not fresh:
+                return
+            for name in fresh:
+                served.add(name)
+                yield name
+
     def _apply_direct(self, name: str, value: torch.Tensor) -> torch.Tensor:
         kind, pos = name[: -len(DIRECT)].rsplit(".", 1)
         rows, new = self.direct[(kind, int(pos))]
@@ -260,10 +271,10 @@ class MixerSite:
             p = later[0]
             self.segments.append((pos, p + 1, state))
             out, state = run(pos, p + 1, state)
-            for name in asked[p]:
+            for name in self._names_at("state_after", step, p):
                 new = self.serve(name, state, step)
                 if new is not state:
-                    state = self._checked_state(new, query, f"state_after")
+                    state = self._checked_state(new, query, "state_after")
                     # token p reads the state it has just written
                     out = out.clone()
                     out[:, -1] = kernels.read_state(self.family, query[:, p], state, out.shape[2], l2)
@@ -290,7 +301,7 @@ class MixerSite:
                 break
             p = later[0]
             window = _window(x, p, width)
-            for name in asked[p]:
+            for name in self._names_at("conv_window_after", step, p, offset):
                 new = self.serve(name, window, step)
                 if new is not window:
                     new = self._checked_window(new, window)
@@ -314,9 +325,9 @@ class MixerSite:
         step = self.step()
         width = weight.shape[-1]
         asked = self.positions("conv_window_after", step)
-        for p, names in asked.items():
+        for p in list(asked):
             window = conv_state[:, :, -(width - 1):].clone()
-            for name in names:
+            for name in self._names_at("conv_window_after", step, p):
                 new = self.serve(name, window, step)
                 if new is not window:
                     conv_state[:, :, -(width - 1):] = self._checked_window(new, window).to(conv_state.dtype)

@@ -379,3 +379,27 @@ def test_a_compiled_kernel_is_reported_with_its_fix() -> None:
         kernels.uninstall(fam)
         setattr(module, fam.chunk_kernel, real)
         kernels.install(fam)
+
+
+def test_positions_under_generate_address_the_steps_own_tokens(loaded: tuple) -> None:
+    model, _ = loaded
+    mix = model.layers[0].linear_attn
+    n = _ids(model, PROMPT).shape[1]
+    with torch.no_grad(), model.generate(PROMPT, max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
+        for step in tracer.iter[0]:
+            prompt_mid = mix.state_after(n - 2).save()
+            prompt_last = mix.state_after(-1).save()
+            prompt_final = mix.state_output.save()
+        for step in tracer.iter[2]:
+            entering = mix.state_input.save()
+            only = mix.state_after(0).save()
+            last = mix.state_after(-1).save()
+            leaving = mix.state_output.save()
+    assert torch.equal(prompt_last, prompt_final)
+    assert not torch.equal(prompt_mid, prompt_final)
+    assert torch.equal(only, last) and torch.equal(last, leaving)
+    assert not torch.equal(entering, leaving)
+    with pytest.raises(DeltaValueError, match="position out of range: this call has 1 token"):
+        with torch.no_grad(), model.generate(PROMPT, max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+            for step in tracer.iter[1]:
+                mix.state_after(1).save()
