@@ -50,9 +50,11 @@ class Results(Mapping[str, Any]):
 
     def __init__(self, values: Mapping[str, Any], *, model: DeltaModel | None = None,
                  program: str | None = None, code: str | None = None,
-                 kinds: Mapping[str, str] | None = None) -> None:
+                 kinds: Mapping[str, str] | None = None,
+                 token_labels: Mapping[str, tuple[str, ...]] | None = None) -> None:
         self._values = dict(values)
         self._kinds = dict(kinds or {})  # result name -> the value it holds ("next_token_probs", ...)
+        self._labels = dict(token_labels or {})  # per-token results: the run's tokens, for display
         self._model = model
         self.program = program
         self.code = code
@@ -103,6 +105,10 @@ class Results(Mapping[str, Any]):
                     vals, ids = p[row].topk(min(top, p.shape[-1]))
                     best = ", ".join(f"{tok.decode([i])!r} {x:.3f}" for x, i in zip(vals.tolist(), ids.tolist()))
                     lines.append(f"{k:48} top: {best}")
+            elif self._kind(k) == "norm" and v.dim() == 2 and k in self._labels:
+                lines.append(f"{k:48} per token:")
+                for label, x in zip(self._labels[k], v[0].tolist()):
+                    lines.append(f"    {label!r:14} {x:.4f}")
             else:
                 lines.append(f"{k:48} {str(tuple(v.shape)):24} norm {float(v.float().norm()):.4f}")
         return "\n".join(lines)
@@ -156,13 +162,17 @@ class Experiment:
     """A compiled program: its `plan`, its `code`, and `run()`."""
 
     def __init__(self, source: str, model: DeltaModel, *, filename: str = "<program>",
-                 prompt: str | None = None, batch: bool = True, remote: bool | str = False) -> None:
+                 prompt: str | None = None, batch: bool = True, remote: bool | str = False,
+                 resolved: Any = None) -> None:
         from .check import check
 
         self.source = source
         self.filename = filename
         self.model = model
-        self.resolved = check(source, model.spec, filename=filename, prompt=prompt)
+        self.prompt = prompt
+        # `resolved`: the program already checked, maybe rewritten (the sweep engine runs parts of it)
+        self.resolved = resolved if resolved is not None else check(source, model.spec, filename=filename,
+                                                                    prompt=prompt)
         try:
             self.plan: Plan = build_plan(self.resolved, batch=batch)
         except DeltaError as e:
@@ -179,8 +189,16 @@ class Experiment:
     def format_plan(self) -> str:
         return format_plan(self.plan)
 
+    @property
+    def has_sweeps(self) -> bool:
+        return any(r.kind == "sweep" for r in self.resolved.runs)
+
     def run(self) -> Results:
-        """Execute the emitted code on the model."""
+        """Execute the emitted code on the model; sweeps go through the sweep engine (`deltalang.sweep`)."""
+        if self.has_sweeps:
+            from .sweep import run_sweeps
+
+            return run_sweeps(self).results
         name = f"<deltalang:{self.filename}:{hashlib.sha1(self.code.encode()).hexdigest()[:8]}>"
         linecache.cache[name] = (len(self.code), None, self.code.splitlines(keepends=True), name)
         namespace: dict[str, Any] = {"__name__": "deltalang_emitted", "__file__": name}
@@ -196,7 +214,11 @@ class Experiment:
                 raise
             raise located from e
         kinds = {op.key: op.value for p in self.plan.passes for r in p.runs for op in r.ops if op.key}
-        return Results(values, model=self.model, program=self.source, code=self.code, kinds=kinds)
+        kinds.update({m.result_name: m.kind for _, m in self.plan.measures})
+        tokens = {r.name: r.tokens for r in self.resolved.runs}
+        labels = {m.result_name: tokens.get(run, ()) for run, m in self.plan.measures if m.kind == "norm"}
+        return Results(values, model=self.model, program=self.source, code=self.code, kinds=kinds,
+                       token_labels=labels)
 
     def _locate(self, err: DeltaError, codename: str, exc: BaseException) -> DeltaError:
         tb = getattr(exc, "__intervention_tb__", None) or exc.__traceback__
@@ -282,6 +304,10 @@ def emit_main(args: argparse.Namespace) -> int:
 def run_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     exp = _experiment(args)
+    if exp.has_sweeps:
+        from .sweep import sweep_main
+
+        return sweep_main(args, exp)
     t1 = time.perf_counter()
     results = exp.run()
     t2 = time.perf_counter()
