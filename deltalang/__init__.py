@@ -18,6 +18,7 @@ from .model import DeltaModel, load_model
 from .parse import parse
 from .run import Experiment, Results, compile, run
 from .spec import ModelSpec, load_spec
+from .sweep import run_sweep, sweep
 
 __all__ = ["DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
-           "load_model", "load_spec", "parse", "route_kernels", "run", "__version__"]
+           "load_model", "load_spec", "parse", "route_kernels", "run", "run_sweep", "sweep", "__version__"]

@@ -48,6 +48,12 @@ def cmd_emit(args: argparse.Namespace) -> int:
     return emit_main(args)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import sweep_main
+
+    return sweep_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltalang", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fmt)
 
     for name, func, helptext in (("run", cmd_run, "run a program"),
-                                 ("emit", cmd_emit, "print the nnsight code a program compiles to")):
+                                 ("emit", cmd_emit, "print the nnsight code a program compiles to"),
+                                 ("sweep", cmd_sweep, "run a program's sweeps: progress, table, CSV and plots")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("file", nargs="?", help="a .dl file ('-' for standard input)")
         p.add_argument("-e", dest="expr", help="the program text itself")
@@ -81,9 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="shard a large checkpoint over the local GPUs (e.g. 'auto'; needs accelerate)")
         p.add_argument("--remote", nargs="?", const="ndif", choices=["ndif", "local"], default=None,
                        help="run the passes through nnsight's remote execution (NDIF); 'local' simulates it here")
-        if name == "run":
-            p.add_argument("--out", help="write results.safetensors, results.json, program.dl, emitted.py here")
-        else:
+        if name in ("run", "sweep"):
+            p.add_argument("--out", help="write results.safetensors, results.json, program.dl, emitted.py here "
+                                         "(and a sweep's sweep.csv, sweep.json and plots, as cells finish)")
+        if name == "sweep":
+            p.add_argument("--resume", action="store_true", help="continue the sweep in --out DIR, keeping its cells")
+            p.add_argument("--batch-size", type=int, default=None, help="cells per forward (default: from memory)")
+            p.add_argument("--normalise", default=None, metavar="clean=RUN,corrupted=RUN",
+                           help="add (patched - corrupted) / (clean - corrupted) of each logit measure")
+            p.add_argument("--naive", action="store_true", help="run every cell as a full forward (the reference)")
+        elif name == "emit":
             p.add_argument("--plan", action="store_true", help="print the plan instead of the code")
         p.set_defaults(func=func)
     return parser
