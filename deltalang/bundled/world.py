@@ -13,7 +13,9 @@ Four relations:
   ("My favourite food is pizza with" -> " cheese");
 - ``recall``: key-value pairs, then one key again
   ("key: apple value: seven key: stone value: three key: apple value:" -> " seven"),
-  whose answer can only come from what the model remembers of the prompt.
+  whose answer can only come from what the model remembers of the prompt
+  (a sequence may ask for earlier keys again before its final query; the
+  values it gives for them are always the ones first listed).
 
 The first three have six phrasings each. Every fact holds out one phrasing
 (rotating through them) for evaluation and is trained on the other five; the
@@ -129,7 +131,8 @@ RECALL_KEYS = (
 RECALL_VALUES = (
     "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
 )  # fmt: skip
-RECALL_PAIRS = (2, 4)  # pairs per sequence, inclusive
+RECALL_PAIRS = (2, 4)  # distinct keys per sequence, inclusive
+RECALL_REPEATS = 4  # at most this many earlier keys asked again before the query
 N_RECALL_TRAIN = 6000
 N_RECALL_HELDOUT = 300
 
@@ -214,14 +217,24 @@ def recall_prompt(pairs: list[tuple[str, str]], query: str) -> str:
     return f"{body} key: {query} value:"
 
 
+def recall_pairs(prompt: str) -> list[tuple[str, str]]:
+    """The (key, value) pairs a recall prompt lists, in order, without its final query."""
+    return re.findall(r"key: (\w+) value: (\w+)", prompt)
+
+
 def _recall_draw(rng: random.Random) -> Example:
+    # 2-4 distinct keys with their values, then 0-4 repeats of earlier keys
+    # (with the same values), then the query. A repeat or the query never asks
+    # for the pair just before it, so the answer needs memory from further back.
     n = rng.randint(*RECALL_PAIRS)
     keys = rng.sample(RECALL_KEYS, n)
-    values = [rng.choice(RECALL_VALUES) for _ in keys]
-    # never query the last pair: its value sits right before the query, and
-    # the answer should need memory from further back
-    q = rng.randrange(n - 1)
-    return Example("recall", keys[q], recall_prompt(list(zip(keys, values)), keys[q]), " " + values[q], -1, False)
+    table = {k: rng.choice(RECALL_VALUES) for k in keys}
+    pairs = [(k, table[k]) for k in keys]
+    for _ in range(rng.randint(0, RECALL_REPEATS) + 1):
+        choices = [k for k in keys if k != pairs[-1][0]]
+        pairs.append((q := rng.choice(choices), table[q]))
+    *listed, (q, answer) = pairs
+    return Example("recall", q, recall_prompt(listed, q), " " + answer, -1, False)
 
 
 @lru_cache(maxsize=None)
