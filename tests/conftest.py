@@ -9,13 +9,19 @@ few seconds; nothing reaches a network.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+# OpenMP threads that spin while they wait stall by orders of magnitude when another
+# process shares the cores; waiting passively costs little. Set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
 from typing import Callable
 
-import pytest
+import pytest  # noqa: E402
 
 from deltalang.spec import ModelSpec, load_spec
-from deltalang.testing import FAMILY_NAMES, build_tiny
+from deltalang.testing import FAMILY_NAMES, build_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")
