@@ -16,6 +16,15 @@ patching that memory visibly changes answers. (Attention first in each group,
 A L L L, carries the subject the same way with rotary position, but puts an
 attention block at L0.)
 
+Beyond FINDINGS' recipe it took: DeltaNet decays initialised to last
+(`init_decays`; with transformers' defaults most heads forget within a token and
+key-value recall never trains), and recall sequences that ask for earlier keys
+again, with loss on each repeat, given a large share of the first 300 steps
+(`RECALL_SHARE`). The held-out figures: 100% on landmarks, foods and recall,
+92% on people (the misses are almost all the phrasing "Ask anyone: <name> works
+as a"). Learning the facts first instead got every person right but left
+recall at 84% after 1,200 steps on this layout.
+
 About 1.9M parameters, float32, ~8 MB; about 9 minutes on 2 quiet CPU threads
 (17 when the cores are shared).
 Fixed seeds and `torch.use_deterministic_algorithms(True)`: two runs on the same
