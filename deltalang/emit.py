@@ -17,7 +17,7 @@ import attrs
 
 from . import __version__
 from .errors import Span
-from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan, site
+from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan
 from .resolve import FromRun, Mean, Named, Scale, Zeros
 
 INDENT = "    "
@@ -236,7 +236,3 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     else:
         w.add(1, "print(deltalang.Results(experiment(model), model=model))")
     return Emitted("\n".join(w.lines) + "\n", w.map)
-
-
-def describe(op: PlanOp) -> str:
-    return site(op)

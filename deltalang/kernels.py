@@ -181,15 +181,12 @@ def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> 
                 raise DeltaValueError(f"L{site.layer}: {compiled_message(fam, name)}")
         return dispatch(*args, **kwargs)
 
-    guarded.__name__ = getattr(fn, "__name__", which)
-    guarded.__qualname__ = f"deltalang_dispatch.{guarded.__name__}"
-    guarded.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
-    if has_python_source(fn):
-        guarded = dispatch  # the common case pays for no check
-    dispatch.__name__ = getattr(fn, "__name__", which)
-    dispatch.__qualname__ = f"deltalang_dispatch.{dispatch.__name__}"
-    dispatch.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
-    return guarded
+    # the common case, a kernel with Python source, pays for no check
+    chosen = dispatch if has_python_source(fn) else guarded
+    chosen.__name__ = getattr(fn, "__name__", which)
+    chosen.__qualname__ = f"deltalang_dispatch.{chosen.__name__}"
+    chosen.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
+    return chosen
 
 
 # --------------------------------------------------------------------------

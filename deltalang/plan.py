@@ -169,10 +169,12 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
     for r in resolved.runs:
         if r.kind == "sweep":
             runs.extend(r.instantiate(point) for point in r.points())
+    expanded: dict[str, list[ResolvedOp]] = {}
     for r in runs:
         meta[r.name] = r
         ops[r.name] = []
-        for op in expand_steps(r):
+        expanded[r.name] = expand_steps(r)
+        for op in expanded[r.name]:
             if op.kind == "read" and op.result_name is not None:
                 read_keys[op.result_name] = r.name
         for m in r.measures:
@@ -189,7 +191,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
 
     mean_runs = 0
     for r in runs:
-        for op in expand_steps(r):
+        for op in expanded[r.name]:
             if op.kind == "read":
                 ops[r.name].append(PlanOp("read", op.layer, op.value, op.position, op.step, op.result_name,
                                           text=op.written, span=op.span))
