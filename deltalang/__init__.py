@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 from . import families  # noqa: E402
 from .errors import DeltaError
-from .kernels import route_kernels
+from .kernels import route_kernels, routed
 from .check import check
 from .model import DeltaModel, load_model
 from .parse import parse
@@ -21,4 +21,4 @@ from .spec import ModelSpec, load_spec
 from .sweep import run_sweep, sweep
 
 __all__ = ["DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
-           "load_model", "load_spec", "parse", "route_kernels", "run", "run_sweep", "sweep", "__version__"]
+           "load_model", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]

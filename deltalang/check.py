@@ -5,17 +5,23 @@
 every op in source order, and what every position resolved to, with the token
 there (`L0.state_after("Tower") -> position 3 ('ĠTower')`). Counting tokens by
 hand is the slip researchers make most; this is where they see the count.
+
+The resolver's warnings (`Resolved.warnings`) are part of what `check` prints,
+rendered like errors, before its last line; `check()` also sends each through
+Python's `warnings` module (a `DeltaWarning`), so a notebook shows them.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from . import ast
-from .errors import DeltaError, DeltaModelError
+from .cli import read_program
+from .errors import DeltaError, DeltaModelError, DeltaWarning, warn
 from .parse import parse
 from .resolve import FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros, resolve
 from .spec import ModelSpec, load_spec
@@ -46,13 +52,17 @@ def check(text: str, model: Any = None, *, filename: str = "<program>", prompt: 
     `model`: None (the program's `model` line, else the bundled model), a checkpoint
     path or id, a `ModelSpec`, or anything with a `.spec` (a loaded model).
     `prompt`: the prompt of the implicit top-level run `main` (the CLI's --prompt).
+    Every warning of the program (`.warnings` of the result) also goes through `warnings.warn`.
     """
     program = parse(text, filename)
     try:
         spec = _spec_for(model, program, trust_remote_code)
-        return resolve(program, spec, prompt_override=prompt, source=text, filename=filename)
+        resolved = resolve(program, spec, prompt_override=prompt, source=text, filename=filename)
     except DeltaError as e:
         raise e.located(text, filename) from None
+    for w in resolved.warnings:
+        warn(w)
+    return resolved
 
 
 # ---- printing -------------------------------------------------------------------
@@ -181,8 +191,11 @@ def format_resolved(resolved: Resolved) -> str:
     n_ops = sum(len(r.ops) for r in resolved.runs)
     n_meas = sum(len(r.measures) for r in resolved.runs)
     lines.append("")
+    lines.extend(w.render() for w in resolved.warnings)
+    n_warn = len(resolved.warnings)
     lines.append(f"ok: {len(resolved.runs)} run{'s' if len(resolved.runs) != 1 else ''}, {n_ops} op"
-                 f"{'s' if n_ops != 1 else ''}, {n_meas} measure{'s' if n_meas != 1 else ''}")
+                 f"{'s' if n_ops != 1 else ''}, {n_meas} measure{'s' if n_meas != 1 else ''}"
+                 + (f", {n_warn} warning{'s' if n_warn != 1 else ''}" if n_warn else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -206,37 +219,21 @@ def _spell(spec: ModelSpec, text: str) -> tuple[str, ...]:
 # ---- CLI handlers ---------------------------------------------------------------
 
 
-def _read_program(args: argparse.Namespace) -> tuple[str, str]:
-    """(text, filename) from `-e TEXT`, a file, or '-' for standard input."""
-    expr = getattr(args, "expr", None)
-    file = getattr(args, "file", None)
-    if expr is not None and file is not None:
-        raise DeltaError("give a program file or -e TEXT, not both")
-    if expr is not None:
-        return expr, "<-e>"
-    if file is None:
-        raise DeltaError("no program: give a .dl file, '-' for standard input, or -e TEXT")
-    if file == "-":
-        return sys.stdin.read(), "<stdin>"
-    path = Path(file)
-    try:
-        return path.read_text(encoding="utf-8"), str(file)
-    except FileNotFoundError:
-        raise DeltaError(f"no such file: {file}") from None
-    except IsADirectoryError:
-        raise DeltaError(f"{file} is a directory, not a program") from None
-    except UnicodeDecodeError:
-        raise DeltaError(f"{file} is not UTF-8 text") from None
-    except OSError as e:
-        raise DeltaError(f"cannot read {file}: {e.strerror}") from None
-
-
 def check_main(args: argparse.Namespace) -> int:
     """`deltalang check FILE | -e TEXT [--prompt P] [--model M]`: print the resolved program, or the errors."""
     try:
-        text, filename = _read_program(args)
-        resolved = check(text, getattr(args, "model", None), filename=filename, prompt=getattr(args, "prompt", None),
-                         trust_remote_code=getattr(args, "trust_remote_code", False))
+        text, filename = read_program(args)
+        with warnings.catch_warnings():  # the warnings are part of the output below
+            warnings.simplefilter("ignore", DeltaWarning)
+            resolved = check(text, getattr(args, "model", None), filename=filename,
+                             prompt=getattr(args, "prompt", None),
+                             trust_remote_code=getattr(args, "trust_remote_code", False))
+        from .plan import build_plan
+
+        try:  # what `run` would refuse while ordering the runs (a cycle, a step a run lacks)
+            build_plan(resolved)
+        except DeltaError as e:
+            raise e.located(text, filename) from None
     except DeltaError as e:
         print(e.render(), file=sys.stderr)
         return 1
@@ -247,7 +244,7 @@ def check_main(args: argparse.Namespace) -> int:
 def fmt_main(args: argparse.Namespace) -> int:
     """`deltalang fmt FILE [-w]`: print the program in canonical form, or rewrite the file."""
     try:
-        text, filename = _read_program(args)
+        text, filename = read_program(args)
         program = parse(text, filename)
     except DeltaError as e:
         print(e.render(), file=sys.stderr)
@@ -258,7 +255,11 @@ def fmt_main(args: argparse.Namespace) -> int:
             print("error: fmt -w rewrites a file; standard input has none", file=sys.stderr)
             return 1
         if out != text:
-            Path(filename).write_text(out, encoding="utf-8")
+            try:
+                Path(filename).write_text(out, encoding="utf-8")
+            except OSError as e:
+                print(f"error: cannot rewrite {filename}: {e.strerror or e}", file=sys.stderr)
+                return 1
         return 0
     sys.stdout.write(out)
     return 0

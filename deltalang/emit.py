@@ -7,6 +7,10 @@ forward order with a comment pointing back at the `.dl` line it comes from.
 It defines `experiment(model) -> dict` and, run as a script, loads the model
 and prints the results, so a saved copy runs with plain `python`.
 
+A program with sweeps compiles to their reference form (every cell one full
+forward, as `deltalang sweep --naive` runs them), and its docstring says first
+that the sweep engine computes those cells differently.
+
 `Emitted.line_map` maps each generated line to the `.dl` span it came from,
 so a runtime error can be reported against the program.
 """
@@ -138,38 +142,31 @@ def _prompt_ref(run: RunPlan, prompts: dict[str, str]) -> str:
     return f"PROMPTS[{run.prompt!r}]" if run.prompt in prompts else repr(run.prompt_text)
 
 
-def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tuple[str, ...]],
-              remote: bool = False) -> None:
+def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tuple[str, ...]]) -> None:
     names = ", ".join(r.name + (" (implicit)" if r.implicit else "") for r in p.runs)
     w.add(1, f"# pass {p.index}: {names}")
     depth = 1
-    rem = ", remote=remote" if remote else ""
     if p.route:
-        w.add(1, f"deltalang.route_kernels(model.family, {p.route!r})")
-        w.add(1, "try:")
+        w.add(1, f"with deltalang.routed(model.family, {p.route!r}):")
         depth = 2
     if p.kind == "generate":
         run = p.runs[0]
         n = run.max_new_tokens
         w.add(depth, f"with torch.no_grad(), model.generate({_prompt_ref(run, prompts)}, max_new_tokens={n}, "
-                     f"min_new_tokens={n}, do_sample=False{rem}) as tracer:")
+                     f"min_new_tokens={n}, do_sample=False) as tracer:")
         emit_run_body(w, run, depth + 1, tokens)
     elif len(p.runs) == 1:
         run = p.runs[0]
-        w.add(depth, f"with torch.no_grad(), model.trace({_prompt_ref(run, prompts)}{rem}):")
+        w.add(depth, f"with torch.no_grad(), model.trace({_prompt_ref(run, prompts)}):")
         emit_run_body(w, run, depth + 1, tokens)
     else:
-        w.add(depth, f"with torch.no_grad(), model.trace({rem.lstrip(', ')}) as tracer:")
+        w.add(depth, "with torch.no_grad(), model.trace() as tracer:")
         for run in p.runs:
             w.add(depth + 1, f"with tracer.invoke({_prompt_ref(run, prompts)}):", note=run.name)
             emit_run_body(w, run, depth + 2, tokens)
-    if p.route:
-        w.add(1, "finally:")
-        w.add(2, "deltalang.route_kernels(model.family, 'default')")
 
 
-def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None,
-         remote: bool = False) -> Emitted:
+def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None) -> Emitted:
     """The plan as a Python module defining `experiment(model) -> dict[str, Tensor | float]`."""
     resolved = plan.resolved
     w = _Writer(filename.rsplit("/", 1)[-1])
@@ -179,7 +176,19 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
         if r.kind == "sweep":
             for point in r.points():
                 tokens[r.instantiate(point).name] = r.tokens
-    w.add(0, f'"""nnsight code compiled by deltalang {__version__} from {filename}.')
+    sweeps = [r.name for r in resolved.runs if r.kind == "sweep"]
+    if sweeps:  # the sweep commands run an engine, not this code: say so first
+        w.add(0, f'"""The reference form of sweep(s) {", ".join(sweeps)}: one full forward per cell, compiled by '
+                 f'deltalang {__version__}')
+        w.add(0, f"from {filename}.")
+        w.add(0, "")
+        w.add(0, "`deltalang sweep` and `deltalang run` do not run this code: their sweep engine computes the same")
+        w.add(0, "cells by recomputing only the blocks and positions each cell's writes change, and falls back to")
+        w.add(0, "this form (a few cells per forward) for a sweep it cannot serve. `deltalang sweep --naive` runs")
+        w.add(0, "every sweep in this form: the reference the engine is checked against. (--normalise is computed")
+        w.add(0, "by the command, not here.)")
+    else:
+        w.add(0, f'"""nnsight code compiled by deltalang {__version__} from {filename}.')
     w.add(0, "")
     w.add(0, "Ops are in the order the forward reaches them; each comment names its program line.")
     w.add(0, "Run it as a script, or call experiment(model) on a deltalang.load_model(...) model.")
@@ -190,29 +199,22 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.add(0, "from deltalang import measures")
     w.add(0, "")
     w.add(0, f"MODEL = {model_id!r}  # None: the bundled model")
-    if remote:
-        w.add(0, f"REMOTE = {remote!r}")
     w.add(0, "PROMPTS = {")
     for name, text in prompts.items():
         w.add(1, f"{name!r}: {text!r},")
     w.add(0, "}")
     w.blank()
     w.blank()
-    if remote:
-        w.add(0, "def experiment(model, remote=True):")
-        w.add(1, "# remote=True runs each pass on NDIF (nnsight's remote execution); 'local' simulates it here")
-    else:
-        w.add(0, "def experiment(model):")
+    w.add(0, "def experiment(model):")
     w.add(1, "results = {}")
     for p in plan.passes:
-        emit_pass(w, p, prompts, tokens, remote)
+        emit_pass(w, p, prompts, tokens)
         for c in p.then:
             inputs = ", ".join(f"results[{k!r}]" for k in c.inputs)
             w.add(1, f"results[{c.key!r}] = torch.stack([{inputs}]).mean(dim=0)")
-    from .plan import measure_input_key
-
     for run, m in plan.measures:
-        x = f"results[{measure_input_key(run, m)!r}]"
+        keys = plan.inputs[m.result_name]  # the run's own input, then (kl) the other run's logits
+        x = f"results[{keys[0]!r}]"
         if m.kind == "prob":
             expr = f"measures.prob({x}, {m.token_ids[0]})"
         elif m.kind == "rank":
@@ -220,9 +222,7 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
         elif m.kind == "logit_diff":
             expr = f"measures.logit_diff({x}, {m.token_ids[0]}, {m.token_ids[1]})"
         elif m.kind == "kl":
-            from .plan import donor_key
-
-            expr = f"measures.kl({x}, results[{donor_key(str(m.against), None, 'logits', None, None)!r}])"
+            expr = f"measures.kl({x}, results[{keys[1]!r}])"
         else:
             expr = f"measures.norm({x})"
         w.add(1, f"results[{m.result_name!r}] = {expr}", m.span)
@@ -231,8 +231,5 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.blank()
     w.add(0, 'if __name__ == "__main__":')
     w.add(1, "model = deltalang.load_model(MODEL)")
-    if remote:
-        w.add(1, "print(deltalang.Results(experiment(model, remote=REMOTE), model=model))")
-    else:
-        w.add(1, "print(deltalang.Results(experiment(model), model=model))")
+    w.add(1, "print(deltalang.Results(experiment(model), model=model))")
     return Emitted("\n".join(w.lines) + "\n", w.map)

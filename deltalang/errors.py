@@ -1,13 +1,25 @@
-"""DeltaError and its kinds, rendered the way mypy renders: `file:line:col: error: msg`.
+"""DeltaError, DeltaWarning and their kinds, rendered the way mypy renders: `file:line:col: error: msg`.
 
 Every error a user can cause is a DeltaError. One that knows where in a `.dl`
 source it comes from carries a `Span`, and `render()` prints the source line
 with a caret under the span.
+
+A DeltaWarning is rendered the same way (`file:line:col: warning: msg`): the
+program runs, but something in it was not taken exactly as written (a quoted
+position that cuts a token, a prompt of unknown words, a `model` line the
+caller's model overrides). It is a `UserWarning`, so `warn()` sends it through
+Python's `warnings` module, attributed to the first caller outside deltalang;
+`show_warnings_on_stderr()` makes the command line print each one, rendered.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import os
+import sys
+import warnings
+from pathlib import Path
+from types import FrameType
+from typing import Iterable, Self, TextIO
 
 import attrs
 
@@ -22,8 +34,8 @@ class Span:
     end_column: int
 
 
-class DeltaError(Exception):
-    """An error a user can act on. `span`/`source`/`filename` locate it in a program."""
+class Diagnostic(Exception):
+    """A message about a program: `span`/`source`/`filename` locate it; `kind` says what it is."""
 
     kind = "error"
 
@@ -43,15 +55,15 @@ class DeltaError(Exception):
         self.filename = filename
         self.notes = tuple(notes)
 
-    def located(self, source: str, filename: str) -> "DeltaError":
-        """Attach the program text this error's span points into."""
+    def located(self, source: str, filename: str) -> Self:
+        """Attach the program text this diagnostic's span points into."""
         if self.source is None:
             self.source = source
             self.filename = filename
         return self
 
     def render(self) -> str:
-        """`file:line:col: error: message`, then the source line and a caret."""
+        """`file:line:col: KIND: message`, then the source line and a caret."""
         if self.span is None:
             head = f"{self.filename}: {self.kind}: {self.message}" if self.source is not None else f"{self.kind}: {self.message}"
             return "\n".join([head, *(f"  note: {n}" for n in self.notes)])
@@ -69,6 +81,46 @@ class DeltaError(Exception):
 
     def __str__(self) -> str:
         return self.render() if self.span is not None else self.message
+
+
+class DeltaError(Diagnostic):
+    """An error a user can act on: nothing runs. `span`/`source`/`filename` locate it in a program."""
+
+
+class DeltaWarning(Diagnostic, UserWarning):
+    """Something a program does not mean exactly as written; it still runs. Raise it with `warn()`."""
+
+    kind = "warning"
+
+
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+
+
+def warn(warning: DeltaWarning) -> None:
+    """Send `warning` through Python's `warnings`, attributed to the first caller outside deltalang."""
+    frame: FrameType | None = sys._getframe(0)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)
+
+
+def show_warnings_on_stderr() -> None:
+    """Command line: print every DeltaWarning, rendered, to stderr (others as Python prints them)."""
+    if getattr(warnings.showwarning, "_deltalang", False):
+        return
+    default = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        if isinstance(message, DeltaWarning):
+            print(message.render(), file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show._deltalang = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
+    warnings.simplefilter("always", DeltaWarning)
 
 
 class DeltaSyntaxError(DeltaError):
@@ -98,7 +150,7 @@ class DeltaErrors(DeltaError):
         super().__init__(f"{len(errors)} errors", None)
         self.errors = errors
 
-    def located(self, source: str, filename: str) -> "DeltaErrors":
+    def located(self, source: str, filename: str) -> Self:
         for e in self.errors:
             e.located(source, filename)
         return self

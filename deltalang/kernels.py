@@ -13,12 +13,20 @@ Because the dispatcher is what the globals hold from the first `load_model` on,
 routing (`route_kernels`) only changes a table the dispatcher reads: it works
 after a model has been traced, and even inside a forward nnsight has compiled
 with a copy of the module's globals.
+
+Process-wide state, restored exactly: `uninstall(family)` puts back the very
+functions transformers bound (a dispatcher found in their place, from an
+earlier copy of this module, is unwrapped), and touches no other family's
+module; `routed(family, route)` routes for a `with` block and then restores
+the route that was in force before it, not `"default"`.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -43,22 +51,28 @@ def original(fam: families.Family, name: str) -> Callable[..., Any]:
     return _ORIGINALS[fam.name][name]
 
 
-_SOURCE: dict[int, bool] = {}
+# by the function itself, weakly: an address is reused once its function is freed
+_SOURCE: "weakref.WeakKeyDictionary[Callable[..., Any], bool]" = weakref.WeakKeyDictionary()
 
 
 def has_python_source(fn: Callable[..., Any]) -> bool:
     """Whether `fn` is transformers' pure-torch kernel (not a compiled one without source)."""
-    key = id(fn)
-    if key not in _SOURCE:
-        mod = getattr(fn, "__module__", "") or ""
-        ok = mod.startswith("transformers.")
-        if ok:
-            try:
-                inspect.getsource(fn)
-            except (OSError, TypeError):
-                ok = False
-        _SOURCE[key] = ok
-    return _SOURCE[key]
+    try:
+        return _SOURCE[fn]
+    except (KeyError, TypeError):  # TypeError: not weakly referable (a builtin), not cached
+        pass
+    mod = getattr(fn, "__module__", "") or ""
+    ok = mod.startswith("transformers.")
+    if ok:
+        try:
+            inspect.getsource(fn)
+        except (OSError, TypeError):
+            ok = False
+    try:
+        _SOURCE[fn] = ok
+    except TypeError:
+        pass
+    return ok
 
 
 def compiled_message(fam: families.Family, name: str) -> str:
@@ -84,13 +98,20 @@ def install(fam: families.Family) -> None:
     if fam.name in _ORIGINALS:
         return
     module = fam.module
-    originals = {name: getattr(module, name) for name in _kernel_names(fam)}
+    originals = {name: _unwrapped(getattr(module, name)) for name in _kernel_names(fam)}
     _ORIGINALS[fam.name] = originals
     _ROUTE.setdefault(fam.name, "default")
     setattr(module, fam.chunk_kernel, _make_dispatch(fam, "chunk", originals[fam.chunk_kernel]))
     setattr(module, fam.recurrent_kernel, _make_dispatch(fam, "recurrent", originals[fam.recurrent_kernel]))
     setattr(module, fam.conv_fn, _make_dispatch(fam, "conv", originals[fam.conv_fn]))
     setattr(module, fam.conv_update, _make_dispatch(fam, "conv_update", originals[fam.conv_update]))
+
+
+def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The kernel under a deltalang dispatcher (one of an earlier copy of this module), else `fn`."""
+    while hasattr(fn, "__wrapped_kernel__"):
+        fn = fn.__wrapped_kernel__
+    return fn
 
 
 def uninstall(fam: families.Family) -> None:
@@ -108,13 +129,34 @@ def route_kernels(family: Any, route: str = "torch") -> None:
     Process-wide, like installing a kernel package, and for every model of the
     family. Works before or after a model was traced. `"default"` restores the
     import-time routing exactly: the dispatcher then calls the very functions
-    transformers bound.
+    transformers bound. `routed(family, route)` routes for a `with` block only.
     """
+    fam = _routable(family, route)
+    _ROUTE[fam.name] = route
+
+
+@contextmanager
+def routed(family: Any, route: str) -> Iterator[None]:
+    """Route a family's prompt kernel for a `with` block, then restore the route in force before it.
+
+    `with deltalang.routed(model.family, "torch"): ...` is what a program's
+    `route torch` runs as; blocks nest, and an exception restores the route too.
+    """
+    fam = _routable(family, route)
+    before = _ROUTE[fam.name]
+    _ROUTE[fam.name] = route
+    try:
+        yield
+    finally:
+        _ROUTE[fam.name] = before
+
+
+def _routable(family: Any, route: str) -> families.Family:
     if route not in ROUTES:
         raise DeltaValueError(f"unknown route {route!r}; one of {', '.join(ROUTES)}")
     fam = families.resolve(family)
     install(fam)
-    _ROUTE[fam.name] = route
+    return fam
 
 
 def current_route(family: Any) -> str:
@@ -171,9 +213,9 @@ def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> 
             return site.conv_update(fn, *args, **kwargs)
         return fn(*args, **kwargs)
 
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+    def guarded(*args: Any, **kwargs: Any) -> Any:  # fn is compiled code: see `chosen` below
         site = current_site()
-        if site is not None and site.active() and which != "recurrent" and not has_python_source(fn):
+        if site is not None and site.active() and which != "recurrent":
             if which != "chunk" or _ROUTE[fam.name] != "torch":
                 from .errors import DeltaValueError
 

@@ -18,11 +18,25 @@ chunked kernel's.
 Steps: nnsight counts a location's visits. A value here is visited once per
 call of the mixer, so its visit count is the generation step: step 0 is the
 prompt, step k the k-th new token, whichever kernel ran.
+
+Several wrappers, one module: a `MixerSite` belongs to the transformers module
+(one per mixer, however often the model is wrapped) and knows every wrapper that
+bound it, weakly. Each call serves the wrapper whose trace is interleaving when
+the call begins; a dropped wrapper is not kept alive.
+
+The stack of running mixers (`current_site`) is process-wide. A call's exit
+hook (torch calls it even when the forward raises an `Exception`) unwinds the
+stack to where the call began, nested calls included. A `BaseException`
+(KeyboardInterrupt) skips torch's exit hooks: a traced forward is unwound by
+`unwinding()` around it (`DeltaModel.interleave`), a plain forward the next
+time the interrupted mixer runs (a mixer never runs inside its own forward).
 """
 
 from __future__ import annotations
 
 import re
+import weakref
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -48,6 +62,23 @@ def current_site() -> "MixerSite | None":
     return _STACK[-1] if _STACK else None
 
 
+def _unwind(depth: int) -> None:
+    """Drop the calls from `depth` up: they have ended, by their exit hook or by an exception."""
+    for site in _STACK[depth:]:
+        site._ended()
+    del _STACK[depth:]
+
+
+@contextmanager
+def unwinding() -> Iterator[None]:
+    """Leave the stack of running mixers as it was, however what runs inside ends."""
+    depth = len(_STACK)
+    try:
+        yield
+    finally:
+        _unwind(depth)
+
+
 class MixerSite:
     """The model side of one DeltaNet mixer: hooks, and the values it serves."""
 
@@ -56,8 +87,12 @@ class MixerSite:
         self.family = family
         self.layer = layer
         self.dims = dims
+        # every wrapper that bound this mixer: (its interleaver, weakly; the envoy path it uses)
+        self._routes: list[tuple[weakref.ref[Interleaver], str]] = []
+        # the wrapper the running call serves (None between calls)
         self.interleaver: Interleaver | None = None
         self.path = ""
+        self._depth: int | None = None  # where the running call entered the stack
         self.pads: list[int] | None = None  # per row, left padding of this call
         self.seq_len = 0
         self.cache: Any = None
@@ -71,12 +106,23 @@ class MixerSite:
         ]
 
     def bind(self, interleaver: Interleaver, path: str) -> None:
-        self.interleaver = interleaver
-        self.path = path
+        """Serve a wrapper's traces too (weakly: a dropped wrapper drops out)."""
+        self._routes = [r for r in self._routes if r[0]() not in (None, interleaver)]
+        self._routes.append((weakref.ref(interleaver), path))
+
+    def _route(self) -> tuple[Interleaver | None, str]:
+        """The bound wrapper whose trace is interleaving now, if any."""
+        for ref, path in self._routes:
+            il = ref()
+            if il is not None and il.interleaving:
+                return il, path
+        return None, ""
 
     # -- hooks ---------------------------------------------------------------
 
     def _enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._depth is not None:  # left by a forward that ended in a BaseException
+            _unwind(self._depth)
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         self.seq_len = int(hidden.shape[1]) if hidden is not None else 0
         mask = kwargs.get("attention_mask")
@@ -85,13 +131,20 @@ class MixerSite:
         else:
             self.pads = None
         self.cache = kwargs.get("cache", kwargs.get("cache_params", kwargs.get("past_key_values")))
+        self.interleaver, self.path = self._route()
         self.running = True
+        self._depth = len(_STACK)
         _STACK.append(self)
 
     def _exit(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._depth is not None:
+            _unwind(self._depth)
+
+    def _ended(self) -> None:
         self.running = False
-        if _STACK and _STACK[-1] is self:
-            _STACK.pop()
+        self._depth = None
+        self.interleaver = None  # neither a wrapper nor a cache is held between calls
+        self.cache = None
 
     # -- what is asked for -----------------------------------------------------
 
@@ -245,7 +298,10 @@ class MixerSite:
             # the state after every token of the forward as it ran, the writes at positions applied
             parts = [kernels.per_token(self.family, query[:, a:b], key[:, a:b], value[:, a:b], g[:, a:b],
                                        beta[:, a:b], start, l2)[1] for a, b, start in self.segments]
-            self.serve("states_as_run", torch.cat(parts, dim=1), step)
+            as_run = torch.cat(parts, dim=1)
+            for (_, end, _), (_, _, start) in zip(self.segments, self.segments[1:]):
+                as_run[:, end - 1] = start  # a segment ends at a split position: the state there as written
+            self.serve("states_as_run", as_run, step)
         out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         out = self.serve("attention_head_outputs", out, step)
         final = self.serve("state_output", state, step)

@@ -8,6 +8,12 @@ of the five families. The result is an nnsight `LanguageModel` with:
   DESIGN section 1 (`deltalang.mixer.DeltaNetEnvoy`);
 - `.logits`, `.next_token_probs` inside a trace;
 - `.family`, `.spec`, `.support()` / `.support(layer=i)`.
+
+A transformers model may be wrapped any number of times (`wrap_model` again,
+as a re-run notebook cell does; `load_model` of one checkpoint twice; several
+families side by side): every wrapper works, in any order (see
+`deltalang.mixer`). The kernel dispatchers (`deltalang.kernels.install`) are
+put in place once per family and process.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from nnsight import LanguageModel
 
 from . import families, kernels, values
 from .errors import DeltaModelError
-from .mixer import DeltaNetEnvoy, MixerSite
+from .mixer import DeltaNetEnvoy, MixerSite, unwinding
 from .spec import ModelSpec, load_config, load_tokenizer, spec_from_config, _display_id
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -41,6 +47,11 @@ class DeltaModel(LanguageModel):
 
     spec: ModelSpec
     family: families.Family
+
+    def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """nnsight's driver of a trace, leaving the stack of running mixers as it found it."""
+        with unwinding():
+            return super().interleave(fn, *args, **kwargs)
 
     @property
     def layers(self) -> Any:

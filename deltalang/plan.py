@@ -12,6 +12,14 @@ The planner makes three decisions, each a small function below:
 3. `batch_stage` — the traces of a stage with the same kernel route share one
    forward (one nnsight invoke each); each generate gets its own.
 
+Steps of a generate: a statement without `step K:` applies at every step, a
+read and a measure as much as a write (one per step, named `RUN.step<k>...`).
+A value taken from another run is that run's value at the same step when it is
+a generate (`from G`, `kl(G)`); a trace is one forward over its prompt, which
+matches a generate's step 0 only, so naming a trace (or a step past the other
+generate's last) at a later step is an error, as is a per-token value from a
+trace written at a decode step.
+
 Inside a run, `sort_ops` puts every op in the order the forward reaches it:
 step, block, the mixer's own order (`deltalang.values.CATALOGUE[...].order`),
 position, and a write before a read of the same site, so the read observes the
@@ -105,8 +113,11 @@ class Combine:
 class Plan:
     passes: tuple[Pass, ...]
     combines: tuple[Combine, ...]
-    measures: tuple[tuple[str, ResolvedMeasure], ...]  # (run name, measure)
+    measures: tuple[tuple[str, ResolvedMeasure], ...]  # (run name, measure); a generate's: one per step
     resolved: Resolved = attrs.field(eq=False, repr=False)
+    # measure result name -> the results keys it is computed from (its run's logits or site; kl: then the
+    # other run's logits at the matching step)
+    inputs: dict[str, tuple[str, ...]] = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
     def result_keys(self) -> list[str]:
@@ -153,9 +164,75 @@ def expand_steps(run: ResolvedRun) -> list[ResolvedOp]:
     return out
 
 
+def expand_measure_steps(run: ResolvedRun) -> list[ResolvedMeasure]:
+    """A generate's measures without a step are taken at every step, as its reads are: one per step."""
+    if run.kind != "generate":
+        return list(run.measures)
+    out: list[ResolvedMeasure] = []
+    for m in run.measures:
+        if m.step is not None:
+            out.append(m)
+            continue
+        for k in range(run.max_new_tokens or 1):
+            if m.alias is None:  # `RUN.CALL` -> `RUN.step<k>.CALL`
+                name = f"{run.name}.step{k}.{m.result_name[len(run.name) + 1:]}"
+            else:
+                name = f"{m.result_name}.step{k}"
+            out.append(attrs.evolve(m, step=k, result_name=name))
+    return out
+
+
+def _steps_of(run: ResolvedRun) -> str:
+    n = run.max_new_tokens or 1
+    return f"'{run.name}' makes {n} new token{'s' if n != 1 else ''} (steps 0 to {n - 1})"
+
+
+def donor_step(src: FromRun, op: ResolvedOp, target: ResolvedRun, donor: ResolvedRun) -> int | None:
+    """The step of `donor` a write takes its value from (None: a trace's one forward).
+
+    The resolver fixes it for a write with a step or a position; a write without
+    either is expanded to every step of a generate here, and at step k takes a
+    generate donor's step k.
+    """
+    step = src.step
+    if step is None and donor.kind == "generate" and target.kind == "generate":
+        step = op.step
+    if donor.kind == "generate" and (step or 0) >= (donor.max_new_tokens or 1):
+        raise DeltaPlanError(f"{op.written} at step {step} takes its value from step {step} of '{donor.name}', and "
+                             f"{_steps_of(donor)}", _span(op))
+    info = values.CATALOGUE.get(src.value)
+    if donor.kind != "generate" and (op.step or 0) > 0 and info is not None and info.per_token:
+        raise DeltaPlanError(f"{op.written} at step {op.step}: '{donor.name}' is a trace, and {src.value} has a "
+                             f"row per token of its prompt while a decode step runs one token; name a generate, "
+                             f"or write at step 0 only (`step 0: ...`)", _span(op))
+    return step
+
+
+def kl_step(run: ResolvedRun, m: ResolvedMeasure, other: ResolvedRun) -> int | None:
+    """The step of `other` that `kl(other)` at `m.step` of `run` compares with (None: a trace's forward).
+
+    A generate's step k compares with another generate's step k. A trace's next
+    token follows its prompt, as a generate's step 0 does: a trace and step 0
+    compare with each other; a later step has nothing to compare with in a trace.
+    """
+    step = m.step if run.kind == "generate" else None
+    every = " (a measure without `step K:` is taken at every step)" if m not in run.measures else ""
+    if other.kind != "generate":
+        if step:
+            raise DeltaPlanError(f"kl({other.name}) at step {step} of '{run.name}': '{other.name}' is a trace, one "
+                                 f"forward over its prompt, so it has no step {step} to compare with{every}; "
+                                 f"write `step 0: measure kl({other.name})`, or name a generate", m.span)
+        return None
+    if (step or 0) >= (other.max_new_tokens or 1):
+        raise DeltaPlanError(f"kl({other.name}) at step {step} of '{run.name}': {_steps_of(other)}, so it has no "
+                             f"step {step} to compare with{every}", m.span)
+    return step
+
+
 def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str, str, Any]], list[Combine],
-                                              list[tuple[str, ResolvedMeasure]]]:
-    """Every run with its ops, the donor edges (from run, to run, the op making it), and the means."""
+                                              list[tuple[str, ResolvedMeasure]], dict[str, tuple[str, ...]]]:
+    """Every run with its ops, the donor edges (from run, to run, the op making it), the means, the
+    measures (a generate's expanded to its steps) and the results keys each measure is computed from."""
     by_name = {r.name: r for r in resolved.runs}
     ops: dict[str, list[PlanOp]] = {}
     meta: dict[str, ResolvedRun] = {}
@@ -164,6 +241,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
     measures: list[tuple[str, ResolvedMeasure]] = []
     implicit_why: dict[str, str] = {}
     read_keys: dict[str, str] = {}  # result name -> run that reads it
+    measure_inputs: dict[str, tuple[str, ...]] = {}
 
     runs = [r for r in resolved.runs if r.kind != "sweep"]
     for r in resolved.runs:
@@ -177,8 +255,10 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
         for op in expanded[r.name]:
             if op.kind == "read" and op.result_name is not None:
                 read_keys[op.result_name] = r.name
-        for m in r.measures:
-            measures.append((r.name, m))
+        for m in expand_measure_steps(r):
+            if m.result_name not in measure_inputs:  # `step 2: measure X` beside `measure X`: one result
+                measure_inputs[m.result_name] = ()
+                measures.append((r.name, m))
 
     def add_donor(run: str, layer: int | None, value: str, position: int | None, step: int | None,
                   for_run: str, why: Any) -> str:
@@ -200,10 +280,16 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
             if isinstance(src, FromRun):
                 if src.run not in meta:
                     raise DeltaPlanError(f"`from {src.run}` names no run", _span(op))
-                dkey = add_donor(src.run, src.layer, src.value, src.position, src.step, r.name, op)
+                step = donor_step(src, op, r, meta[src.run])
+                dkey = add_donor(src.run, src.layer, src.value, src.position, step, r.name, op)
             elif isinstance(src, Named):
                 target = src.name if src.name in read_keys else f"{src.name}.L{op.layer}"
                 if target not in read_keys:
+                    every = [k for k in read_keys if k.startswith(f"{src.name}.") and ".step" in k]
+                    if every:  # an `as NAME` read without a step in a generate: one value per step
+                        raise DeltaPlanError(f"`= {src.name}` takes one value, and '{src.name}' is read at every "
+                                             f"step of '{src.run}' ({', '.join(every)}); read it at one step: "
+                                             f"`step K: read ... as {src.name}`", _span(op))
                     raise DeltaPlanError(f"`= {src.name}` names no read", _span(op))
                 dkey = target
                 edges.append((read_keys[target], r.name, op))
@@ -223,8 +309,8 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
                 combines.append(Combine(dkey, tuple(inputs)))
             ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, source=src,
                                       donor_key=dkey, text=op.written, span=op.span))
-        for m in r.measures:
-            _measure_reads(r, m, ops, add_donor)
+    for run, m in measures:
+        measure_inputs[m.result_name] = _measure_reads(meta[run], m, meta, ops, add_donor)
 
     plans = {}
     for name, r in meta.items():
@@ -232,23 +318,25 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
                               ops=tuple(sort_ops(mark_states_as_run(ops[name]))),
                               max_new_tokens=r.max_new_tokens, route=r.route, implicit=r.implicit,
                               why=implicit_why.get(name, ""))
-    return plans, edges, combines, measures
+    return plans, edges, combines, measures, measure_inputs
 
 
-def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, ops: dict[str, list[PlanOp]], add_donor: Any) -> None:
-    """The reads a measure needs: next-token probabilities of the run (and of the `kl` run), or the site."""
+def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]],
+                   add_donor: Any) -> tuple[str, ...]:
+    """The reads a measure needs: the logits of the run (and of the `kl` run), or the site; their keys."""
     step = m.step if r.kind == "generate" else None
     if m.kind == "norm":
         key = measure_input_key(r.name, m)
         if not any(o.key == key for o in ops[r.name]):
             ops[r.name].append(PlanOp("read", m.layer, m.value or "", m.position, step, key, text=m.written,
                                       span=m.span))
-        return
+        return (key,)
     key = donor_key(r.name, None, "logits", None, step)
     if not any(o.key == key for o in ops[r.name]):
         ops[r.name].append(PlanOp("read", None, "logits", None, step, key, text=m.written, span=m.span))
     if m.kind == "kl" and m.against is not None:
-        add_donor(m.against, None, "logits", None, None, r.name, m)
+        return key, add_donor(m.against, None, "logits", None, kl_step(r, m, meta[m.against]), r.name, m)
+    return (key,)
 
 
 def measure_input_key(run: str, m: ResolvedMeasure) -> str:
@@ -321,7 +409,7 @@ def batch_stage(stage: list[RunPlan], batch: bool = True) -> list[list[RunPlan]]
 
 def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:
     """The ordered passes of a resolved program."""
-    plans, edges, combines, measures = collect_runs(resolved)
+    plans, edges, combines, measures, inputs = collect_runs(resolved)
     source_order = [r.name for r in resolved.runs]
     passes: list[Pass] = []
     for stage in order_runs(plans, edges, source_order):
@@ -332,7 +420,7 @@ def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:
     for c in combines:
         i = max(produced[k] for k in c.inputs)
         passes[i] = attrs.evolve(passes[i], then=passes[i].then + (c,))
-    return Plan(tuple(passes), tuple(combines), tuple(measures), resolved)
+    return Plan(tuple(passes), tuple(combines), tuple(measures), resolved, inputs)
 
 
 # ---------------------------------------------------------------------------

@@ -7,6 +7,17 @@ which run a `from` takes its value from, which token id `prob(" Paris")`
 measures. It reports ALL the errors of a file at once (a `DeltaErrors`, or a
 single `DeltaResolveError`), each pointing at its source.
 
+It never guesses silently. What cannot mean what was written is an error: a
+program with nothing to run; statements outside any run (the implicit trace
+`main`) with several prompts to choose from and neither --prompt nor a prompt
+named `main`; a measured answer that is several tokens, or that the tokenizer
+only knows as its unknown token (prob of `<unk>` is not prob of " Zürich").
+What runs but not exactly as written is a `DeltaWarning` on
+`Resolved.warnings`, naming the tokens chosen: a quoted position that cuts a
+token or lands on the unknown token, a prompt with words the tokenizer does not
+know (how many of how many), a `model "ID"` line other than the model it is
+checked against (the caller's --model or model= wins).
+
 Its output, `Resolved`, is the compiler's input: runs in source order, each with
 one `ResolvedOp` per block and every position a plain non-negative token index.
 Sweeps stay templates (ops whose block or position is a sweep variable) with
@@ -19,12 +30,13 @@ from __future__ import annotations
 import difflib
 import itertools
 import re
+from pathlib import Path
 from typing import Any, Iterator, Mapping, NoReturn, Sequence, Union
 
 import attrs
 
 from . import ast, values
-from .errors import DeltaError, DeltaErrors, DeltaResolveError, Span
+from .errors import DeltaError, DeltaErrors, DeltaResolveError, DeltaWarning, Span
 from .spec import ModelSpec
 
 # ---- the resolved program ------------------------------------------------------
@@ -168,6 +180,7 @@ class Resolved:
     spec: ModelSpec = attrs.field(eq=False, repr=False)
     source: str = attrs.field(default="", eq=False, repr=False)
     filename: str = attrs.field(default="<program>", eq=False, repr=False)
+    warnings: tuple[DeltaWarning, ...] = attrs.field(default=(), eq=False, repr=False)  # in source order
 
     def run(self, name: str) -> ResolvedRun:
         """The run called `name` (KeyError if none)."""
@@ -288,6 +301,19 @@ class PromptTokens:
             if b > a and a < end and b > start:
                 last = i
         return last
+
+    def cut(self, piece: str) -> list[int]:
+        """The tokens `piece`'s first occurrence covers only in part (a token's own whitespace aside)."""
+        start = self.text.find(piece)
+        if start < 0 or not piece:
+            return []
+        end = start + len(piece)
+        return [i for i, (a, b) in enumerate(self.offsets)
+                if b > a and a < end and b > start and (self.text[a:start].strip() or self.text[end:b].strip())]
+
+    def unknown(self, unk_id: int | None) -> list[int]:
+        """The positions the tokenizer could only read as its unknown token."""
+        return [] if unk_id is None else [i for i, t in enumerate(self.ids) if t == unk_id]
 
 
 def tokenize(spec: ModelSpec, text: str) -> PromptTokens:
@@ -416,6 +442,14 @@ def _tokens(n: int) -> str:
     return f"{n} token" if n == 1 else f"{n} tokens"
 
 
+def _same_model(declared: str, used: str) -> bool:
+    """Whether a program's `model "ID"` names the model it is checked against (an id, or the same directory)."""
+    if declared == used:
+        return True
+    a, b = Path(declared), Path(used)
+    return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
+
+
 def _did_you_mean(word: str, options: Sequence[str]) -> str:
     guess = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f"; did you mean '{guess[0]}'?" if guess else ""
@@ -432,6 +466,8 @@ class _Resolver:
         self.source = source
         self.filename = filename
         self.errors: list[DeltaError] = []
+        self.warnings: list[DeltaWarning] = []
+        self.unk: int | None = getattr(spec.tokenizer, "unk_token_id", None)  # None: the tokenizer has none
         self.prompts: dict[str, ast.PromptDecl | ast.PromptListDecl] = {}
         self.prompt_texts: dict[str, str | tuple[str, ...]] = {}
         self.runs: dict[str, ast.Trace | ast.Generate | ast.Sweep] = {}
@@ -440,6 +476,7 @@ class _Resolver:
         self.main_items: list[ast.Statement] = []
         self.main_prompt: str | None = None
         self.model: str | None = None
+        self.model_span: Span | None = None
         self.global_route: str | None = None
         self.implicit: dict[str, Span] = {}  # prompts that need a clean run of their own
         self.tok_cache: dict[str, PromptTokens] = {}
@@ -453,6 +490,17 @@ class _Resolver:
     def fail(self, message: str, span: Span | None, notes: Sequence[str] = ()) -> NoReturn:
         self.error(message, span, notes)
         raise _Fail
+
+    def warn(self, message: str, span: Span | None, notes: Sequence[str] = ()) -> None:
+        w = DeltaWarning(message, span, notes=notes)
+        self.warnings.append(w.located(self.source, self.filename) if self.source else w)
+
+    def sorted_warnings(self) -> tuple[DeltaWarning, ...]:
+        """The warnings in source order, each once (a site over several blocks resolves its position once each)."""
+        seen: dict[tuple[str, Span | None], DeltaWarning] = {}
+        for w in self.warnings:
+            seen.setdefault((w.message, w.span), w)
+        return tuple(sorted(seen.values(), key=lambda w: (w.span.line, w.span.column) if w.span else (0, 0)))
 
     # -- the whole program --
 
@@ -482,7 +530,8 @@ class _Resolver:
         if self.errors:
             errs = sorted(self.errors, key=lambda e: (e.span.line, e.span.column) if e.span else (0, 0))
             raise errs[0] if len(errs) == 1 else DeltaErrors(list(errs))
-        return Resolved(self.model, dict(self.prompt_texts), tuple(runs), self.spec, self.source, self.filename)
+        return Resolved(self.model, dict(self.prompt_texts), tuple(runs), self.spec, self.source, self.filename,
+                        self.sorted_warnings())
 
     def define(self, name: str, kind: str, span: Span) -> bool:
         """Enter a name; a second definition is an error pointing at the first."""
@@ -499,6 +548,8 @@ class _Resolver:
             if isinstance(item, ast.ModelDecl):
                 if self.model is not None:
                     self.error("a program names its model once", item.span)
+                else:
+                    self.model_span = item.span
                 self.model = item.name
             elif isinstance(item, ast.PromptDecl):
                 if self.define(item.name, "prompt", item.span):
@@ -517,6 +568,19 @@ class _Resolver:
                 self.global_route = item.kernel
             else:
                 self.main_items.append(item)
+        if not self.main_items and not any(isinstance(item, ast.RUN_TYPES) for item in self.program.items):
+            self.error("nothing to run: the program has no trace, generate or sweep, and no statement outside "
+                       "them", Span(1, 1, 1, 1))
+        if self.model is not None and self.model_span is not None and not _same_model(self.model,
+                                                                                       self.spec.model_id):
+            self.warn(f"the program names model {ast.quote(self.model)}, but the caller's model is used: "
+                      f"{self.spec.model_id} (--model or model=); this line is ignored", self.model_span)
+        for name, p in self.prompts.items():
+            if isinstance(p, ast.PromptDecl):
+                self.unknown_words(p.text, f"prompt '{name}'", p.span)
+            else:
+                for text in p.texts:
+                    self.unknown_words(text, f"prompt {ast.quote(text)} of '{name}'", p.span)
         if self.main_items:
             self.choose_main_prompt()
         for item in self.program.items:
@@ -537,13 +601,20 @@ class _Resolver:
             self.prompts["main"] = ast.PromptDecl("main", self.override, span=span)
             self.prompt_texts["main"] = self.override
             self.main_prompt = "main"
+            self.unknown_words(self.override, f"the prompt of 'main' (--prompt or prompt=) {ast.quote(self.override)}",
+                               None)
             return
         if isinstance(self.prompts.get("main"), ast.PromptDecl):
             self.main_prompt = "main"
             return
-        single = [p for p in self.prompts.values() if isinstance(p, ast.PromptDecl)]
+        single = [p.name for p in self.prompts.values() if isinstance(p, ast.PromptDecl)]
+        if len(single) == 1:
+            self.main_prompt = single[0]
+            return
         if single:
-            self.main_prompt = single[0].name
+            self.error(f"statements outside a run form the implicit trace 'main', which needs one prompt; this "
+                       f"program declares {len(single)}: {', '.join(single)}; put them in "
+                       f"'trace NAME on PROMPT {{ ... }}', name one prompt 'main', or pass --prompt TEXT", first.span)
             return
         self.error("statements outside a block run on a prompt, and there is none: pass --prompt TEXT "
                    "or declare one (prompt main = \"...\")", first.span)
@@ -578,6 +649,23 @@ class _Resolver:
         known = self.prompt_names()
         self.fail(f"unknown prompt '{name}'" + _did_you_mean(name, known), span,
                   notes=[f"the prompts: {', '.join(known)}" if known else f"declare it: prompt {name} = \"...\""])
+
+    def unknown_words(self, text: str, what: str, span: Span | None) -> None:
+        """An error for a prompt of no tokens; a warning when the tokenizer can read words of it only as
+        its unknown token: how many, which."""
+        toks = self.tokens(text)
+        if len(toks) == 0:
+            self.error(f"{what} is empty: a run needs at least one token", span or Span(1, 1, 1, 1))
+            return
+        if self.unk is None:
+            return
+        unknown = toks.unknown(self.unk)
+        if not unknown:
+            return
+        words = list(dict.fromkeys(toks.text[slice(*toks.offsets[i])].strip() or toks.display[i] for i in unknown))
+        shown = ", ".join(ast.quote(w) for w in words[:8]) + (", ..." if len(words) > 8 else "")
+        self.warn(f"{what}: {len(unknown)} of {_tokens(len(toks))} are unknown to this model's tokenizer, "
+                  f"so the model reads {self.spec.tokenizer.unk_token!r} in their place: {shown}", span)
 
     def prompt_names(self) -> list[str]:
         return [n for n, p in self.prompts.items() if isinstance(p, ast.PromptDecl)]
@@ -875,6 +963,14 @@ class _Resolver:
                              "and spaces exactly")
             self.fail(f"{ast.quote(pos.text)} does not occur in prompt '{prompt}': {ast.quote(toks.text)}",
                       pos.span, notes)
+        cut = toks.cut(pos.text)
+        if cut:
+            parts = " and ".join(f"token {i} ({toks.display[i]!r})" for i in cut)
+            self.warn(f"{ast.quote(pos.text)} covers only part of {parts} in prompt '{prompt}': it names position "
+                      f"{found} ({toks.display[found]!r}), the whole token", pos.span)
+        if found in toks.unknown(self.unk):
+            self.warn(f"{ast.quote(pos.text)} falls on token {found} of prompt '{prompt}', a word the tokenizer does "
+                      f"not know: the model reads {toks.display[found]!r} there", pos.span)
         return found
 
     def expand(self, sel: ast.Selector, value: str | None, span: Span, ctx: _Ctx | None = None) -> list[int]:
@@ -976,7 +1072,9 @@ class _Resolver:
             if not isinstance(p, ast.PromptDecl):
                 raise _Fail  # the run's own header error is reported there
             return name, "generate" if isinstance(run, ast.Generate) else "trace", self.tokens(p.text)
-        if name == "main" and self.main_items and self.main_prompt is not None:
+        if name == "main" and self.main_items:
+            if self.main_prompt is None:
+                raise _Fail  # why `main` has no prompt is reported at its first statement
             text = self.prompt_texts[self.main_prompt]
             assert isinstance(text, str)
             return "main", "trace", self.tokens(text)
@@ -1185,6 +1283,10 @@ class _Resolver:
         if not text:
             self.fail("an empty string is no token", span)
         ids = token_id(self.spec, text)
+        if len(ids) == 1 and ids[0] == self.unk:
+            unk = self.spec.tokenizer.unk_token
+            self.fail(f"{ast.quote(text)} is not in this model's vocabulary: the tokenizer reads it as {unk!r} "
+                      f"(token {ids[0]}), and a measure of {unk!r} is not one of {ast.quote(text)}", span)
         if len(ids) == 1:
             return ids[0]
         pieces = " ".join(repr(t) for t in self.spec.tokenizer.convert_ids_to_tokens(ids))

@@ -4,8 +4,18 @@
     results["main.L0.states"].shape
 
 The emitted code is executed from `linecache` under a `<deltalang:FILE>` name
-(nnsight reads the `with` blocks' source back); an error raised while it runs
-is reported against the program line its op came from.
+(nnsight reads the `with` blocks' source back). A DeltaError raised while it
+runs (a write that does not fit, ...) is reported against the program line its
+op came from; any other exception is deltalang's own bug and propagates as it
+is (the command line reports it as one).
+
+Remote execution (nnsight's NDIF) is refused: `compile(..., remote=...)` and
+`--remote` raise `REMOTE_REFUSAL`.
+
+`Results.save(DIR)` always writes every result (each tensor an independent
+copy, so values that share storage save); `check_out_dir` finds, touching
+nothing, whatever would stop a save in DIR, so the commands refuse such an
+`--out` before the model loads.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import hashlib
 import json
 import linecache
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,6 +42,10 @@ from .model import DeltaModel, load_model
 from .plan import Plan, build_plan, format_plan
 
 _MODELS: dict[tuple, DeltaModel] = {}
+
+REMOTE_REFUSAL = ("remote execution is not supported: an NDIF server rebuilds a plain transformers model and "
+                  "cannot serve deltalang's DeltaNet values; run locally (--device-map shards a large checkpoint "
+                  "over local GPUs)")
 
 
 def get_model(model: Any = None, *, device: str = "cpu", dtype: Any = None,
@@ -51,13 +66,15 @@ class Results(Mapping[str, Any]):
     def __init__(self, values: Mapping[str, Any], *, model: DeltaModel | None = None,
                  program: str | None = None, code: str | None = None,
                  kinds: Mapping[str, str] | None = None,
-                 token_labels: Mapping[str, tuple[str, ...]] | None = None) -> None:
+                 token_labels: Mapping[str, tuple[str, ...]] | None = None,
+                 code_file: str = "emitted.py") -> None:
         self._values = dict(values)
         self._kinds = dict(kinds or {})  # result name -> the value it holds ("next_token_probs", ...)
         self._labels = dict(token_labels or {})  # per-token results: the run's tokens, for display
         self._model = model
         self.program = program
         self.code = code
+        self.code_file = code_file  # what `save` names `code`: emitted.py, or a sweep's reference.py
 
     def __getitem__(self, key: str) -> Any:
         try:
@@ -122,13 +139,31 @@ class Results(Mapping[str, Any]):
         return "<pre>" + html.escape(repr(self)) + "</pre>"
 
     def save(self, directory: str | Path, *, extra: Mapping[str, Any] | None = None) -> Path:
-        """Write `results.safetensors`, `results.json` (and `program.dl`, `emitted.py`) atomically."""
+        """Write `results.safetensors`, `results.json` (and `program.dl`, `code_file`) atomically.
+
+        Each tensor is saved as its own copy: results that share storage (`states` and
+        `state_output`, ...) save like any others. A directory that cannot be written is a DeltaError.
+        """
+        out = check_out_dir(directory)
+        tmp: Path | None = None
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".deltalang-", dir=out))
+            self._write(tmp, extra)
+            for f in tmp.iterdir():
+                os.replace(f, out / f.name)
+        except OSError as e:  # checked before, so only what changed since (a full disk, ...)
+            raise DeltaError(f"cannot save results in {directory}: {e.strerror or e}") from None
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return out
+
+    def _write(self, tmp: Path, extra: Mapping[str, Any] | None) -> None:
         from safetensors.torch import save_file
 
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".deltalang-", dir=out))
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
+        # clone: safetensors refuses tensors that share storage, and views of one result often do
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.tensors.items()}
         save_file(tensors, str(tmp / "results.safetensors"))
         meta = {
             "measures": self.measures,
@@ -139,15 +174,38 @@ class Results(Mapping[str, Any]):
             "program_sha256": hashlib.sha256((self.program or "").encode()).hexdigest(),
             **(dict(extra) if extra else {}),
         }
-        (tmp / "results.json").write_text(json.dumps(meta, indent=2, default=str))
+        (tmp / "results.json").write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
         if self.program is not None:
-            (tmp / "program.dl").write_text(self.program)
+            (tmp / "program.dl").write_text(self.program, encoding="utf-8")
         if self.code is not None:
-            (tmp / "emitted.py").write_text(self.code)
-        for f in tmp.iterdir():
-            os.replace(f, out / f.name)
-        tmp.rmdir()
-        return out
+            (tmp / self.code_file).write_text(self.code, encoding="utf-8")
+
+
+def check_out_dir(directory: str | Path) -> Path:
+    """`directory` as a Path, or a DeltaError if results could not be saved there; creates nothing.
+
+    It must be a directory, or not exist yet under a directory; the nearest existing
+    one must take a new entry (tried with a temporary directory, removed at once).
+    """
+    out = Path(directory)
+    if str(directory) == "":
+        raise DeltaError("cannot save results in '': give a directory")
+    try:
+        probe = out
+        while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+            probe = probe.parent
+        if probe.is_symlink() and not probe.exists():
+            raise DeltaError(f"cannot save results in {directory}: {probe} is a broken link")
+        if not probe.is_dir():
+            where = "it is" if probe == out else f"{probe} is"
+            raise DeltaError(f"cannot save results in {directory}: {where} a file, not a directory")
+        tempfile.TemporaryDirectory(prefix=".deltalang-", dir=probe).cleanup()
+    except OSError as e:
+        raise DeltaError(f"cannot save results in {directory}: {probe} cannot be written ({e.strerror or e})") \
+            from None
+    except ValueError as e:  # a NUL in the name
+        raise DeltaError(f"cannot save results in {directory!r}: {e}") from None
+    return out
 
 
 def _versions() -> dict[str, str]:
@@ -162,8 +220,7 @@ class Experiment:
     """A compiled program: its `plan`, its `code`, and `run()`."""
 
     def __init__(self, source: str, model: DeltaModel, *, filename: str = "<program>",
-                 prompt: str | None = None, batch: bool = True, remote: bool | str = False,
-                 resolved: Any = None) -> None:
+                 prompt: str | None = None, batch: bool = True, resolved: Any = None) -> None:
         from .check import check
 
         self.source = source
@@ -179,8 +236,7 @@ class Experiment:
             raise e.located(source, filename)
         from .emit import emit
 
-        self.remote = remote
-        self.emitted = emit(self.plan, filename=filename, model_id=_model_arg(model), remote=bool(remote))
+        self.emitted = emit(self.plan, filename=filename, model_id=_model_arg(model))
 
     @property
     def code(self) -> str:
@@ -193,6 +249,11 @@ class Experiment:
     def has_sweeps(self) -> bool:
         return any(r.kind == "sweep" for r in self.resolved.runs)
 
+    @property
+    def code_file(self) -> str:
+        """The name `code` is saved under: a sweep's code is the reference form the engine does not run."""
+        return "reference.py" if self.has_sweeps else "emitted.py"
+
     def run(self) -> Results:
         """Execute the emitted code on the model; sweeps go through the sweep engine (`deltalang.sweep`)."""
         if self.has_sweeps:
@@ -204,21 +265,15 @@ class Experiment:
         namespace: dict[str, Any] = {"__name__": "deltalang_emitted", "__file__": name}
         exec(builtins.compile(self.code, name, "exec"), namespace)
         try:
-            values = (namespace["experiment"](self.model, remote=self.remote) if self.remote
-                      else namespace["experiment"](self.model))
-        except DeltaError as e:
+            values = namespace["experiment"](self.model)
+        except DeltaError as e:  # the program's mistake, found as it ran: point at its line
             raise self._locate(e, name, e) from None
-        except Exception as e:  # an error inside the trace: point at the program line
-            located = self._locate(DeltaError(f"{type(e).__name__}: {e}"), name, e)
-            if located.span is None:
-                raise
-            raise located from e
         kinds = {op.key: op.value for p in self.plan.passes for r in p.runs for op in r.ops if op.key}
         kinds.update({m.result_name: m.kind for _, m in self.plan.measures})
         tokens = {r.name: r.tokens for r in self.resolved.runs}
         labels = {m.result_name: tokens.get(run, ()) for run, m in self.plan.measures if m.kind == "norm"}
         return Results(values, model=self.model, program=self.source, code=self.code, kinds=kinds,
-                       token_labels=labels)
+                       token_labels=labels, code_file=self.code_file)
 
     def _locate(self, err: DeltaError, codename: str, exc: BaseException) -> DeltaError:
         tb = getattr(exc, "__intervention_tb__", None) or exc.__traceback__
@@ -241,11 +296,11 @@ def compile(source: str, model: Any = None, *, filename: str = "<program>", prom
             batch: bool = True, remote: bool | str = False) -> Experiment:
     """Parse, check, plan and emit a program against a model (loaded once and reused).
 
-    `remote=True` runs every pass through nnsight's remote execution (NDIF; the server needs
-    deltalang installed); `remote="local"` simulates that path on this machine.
+    `remote`: refused (`REMOTE_REFUSAL`): an NDIF server cannot rebuild deltalang's values.
     """
-    return Experiment(source, _model_for(source, model, filename), filename=filename, prompt=prompt, batch=batch,
-                      remote=remote)
+    if remote:
+        raise DeltaError(REMOTE_REFUSAL)
+    return Experiment(source, _model_for(source, model, filename), filename=filename, prompt=prompt, batch=batch)
 
 
 def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
@@ -274,25 +329,14 @@ def _model_for(source: str, model: Any, filename: str, **kw: Any) -> DeltaModel:
 # ---------------------------------------------------------------------------
 
 
-def _read_source(args: argparse.Namespace) -> tuple[str, str]:
-    if getattr(args, "expr", None):
-        return args.expr, "<-e>"
-    if not args.file:
-        raise DeltaError("give a program: a .dl file, '-' for standard input, or -e TEXT")
-    if args.file == "-":
-        return sys.stdin.read(), "<stdin>"
-    path = Path(args.file)
-    if not path.is_file():
-        raise DeltaError(f"no such file: {args.file}")
-    return path.read_text(), str(args.file)
-
-
 def _experiment(args: argparse.Namespace) -> Experiment:
-    source, filename = _read_source(args)
+    """The program of a command compiled against its model (options already checked by `cli.check_options`)."""
+    from .cli import read_program
+
+    source, filename = read_program(args)
     model = _model_for(source, args.model, filename, device=args.device, dtype=args.dtype,
                        trust_remote_code=args.trust_remote_code, device_map=args.device_map)
-    remote: bool | str = {"ndif": True, "local": "local"}.get(args.remote or "", False)
-    return Experiment(source, model, filename=filename, prompt=args.prompt, remote=remote)
+    return Experiment(source, model, filename=filename, prompt=args.prompt)
 
 
 def emit_main(args: argparse.Namespace) -> int:
@@ -314,7 +358,7 @@ def run_main(args: argparse.Namespace) -> int:
     print(results.summary())
     print(f"({len(exp.plan.passes)} pass(es); compile {1000 * (t1 - t0):.0f} ms incl. model load, "
           f"run {t2 - t1:.2f} s)", file=sys.stderr)
-    if args.out:
+    if args.out is not None:
         out = results.save(args.out)
-        print(f"wrote {out}/results.safetensors, results.json, program.dl, emitted.py", file=sys.stderr)
+        print(f"wrote {out}/results.safetensors, results.json, program.dl, {results.code_file}", file=sys.stderr)
     return 0

@@ -308,8 +308,7 @@ class Support:
         program = self.program()
         if program is None:
             return {}
-        sub = Experiment(exp.source, exp.model, filename=exp.filename, resolved=program,
-                         remote=getattr(exp, "remote", False))
+        sub = Experiment(exp.source, exp.model, filename=exp.filename, resolved=program)
         self.results = dict(sub.run())
         return self.results
 
@@ -688,8 +687,6 @@ def plan_job(exp: Experiment, run: ResolvedRun, support: Support, normalise: Nor
     """Decide the path of one sweep and ask `support` for the values it takes from other runs."""
     cells = cells_of(run)
     blocker = fast_path_blocker(exp.resolved, run) if engine != "naive" else "the naive path was asked for"
-    if blocker is None and getattr(exp, "remote", False):
-        blocker = "remote execution runs every forward through nnsight"
     job = SweepJob(run, cells, blocker)
     if normalise is not None:
         job.normalise = (support.read(_reference_run(normalise.clean, exp.resolved, support), None, "logits", None,
@@ -1210,23 +1207,13 @@ def _norm_input(m: ResolvedMeasure, row: Row, n: int, got: RowsOut, cap: Capture
     return cap.values[("state_output", m.layer, None)][0]
 
 
-class _routed:
-    """Route the model family's prompt kernel for a while (a sweep's `route torch`)."""
+def _routed(model: DeltaModel, route: str | None) -> Any:
+    """Route the model family's prompt kernel for a while (a sweep's `route torch`), then restore it."""
+    from contextlib import nullcontext
 
-    def __init__(self, model: DeltaModel, route: str | None) -> None:
-        self.model, self.route = model, route
+    from .kernels import routed
 
-    def __enter__(self) -> None:
-        if self.route is not None:
-            from .kernels import route_kernels
-
-            route_kernels(self.model.family, self.route)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.route is not None:
-            from .kernels import route_kernels
-
-            route_kernels(self.model.family, "default")
+    return nullcontext() if route is None else routed(model.family, route)
 
 
 def run_naive(ctx: _Context, job: SweepJob, cells: Sequence[Cell], batch: int) -> None:
@@ -1240,8 +1227,7 @@ def run_naive(ctx: _Context, job: SweepJob, cells: Sequence[Cell], batch: int) -
         if not wanted.intersection(c.index for c in chunk):
             continue
         program = attrs.evolve(exp.resolved, runs=tuple(deps) + tuple(c.run for c in chunk))
-        got = Experiment(exp.source, exp.model, filename=exp.filename, resolved=program,
-                         remote=getattr(exp, "remote", False)).run()
+        got = Experiment(exp.source, exp.model, filename=exp.filename, resolved=program).run()
         done: dict[int, list[ResultRow]] = {}
         results: dict[str, Any] = {}
         for cell in chunk:
@@ -1493,7 +1479,8 @@ def _results(exp: Experiment, jobs: Sequence[SweepJob], values_: dict[str, Any])
     for job in jobs:
         tokens.update({c.run.name: job.run.tokens for c in job.cells})
     labels = {m.result_name: tokens.get(run, ()) for run, m in exp.plan.measures if m.kind == "norm"}
-    return Results(values_, model=exp.model, program=exp.source, code=exp.code, kinds=kinds, token_labels=labels)
+    return Results(values_, model=exp.model, program=exp.source, code=exp.code, kinds=kinds, token_labels=labels,
+                   code_file=exp.code_file)
 
 
 def _batch_for(model: DeltaModel, job: SweepJob, asked: int | None, old: Mapping[str, Any] | None) -> int:
@@ -1637,6 +1624,7 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     if out is not None:
         outcome.results.save(out)
         shown = ", ".join(str(f.relative_to(out)) if f.is_relative_to(out) else str(f) for f in outcome.files)
-        err.print(f"wrote {out}/: {shown}, results.json, results.safetensors", highlight=False)
+        err.print(f"wrote {out}/: {shown}, results.json, results.safetensors, program.dl, "
+                  f"{outcome.results.code_file} (the sweeps' reference form)", highlight=False)
     err.print(f"({time.perf_counter() - t0:.1f} s)", highlight=False)
     return 0

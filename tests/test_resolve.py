@@ -58,7 +58,7 @@ def test_selector_expansion(spec: Any) -> None:
 
 def test_linear_and_attention_layers_come_from_the_spec(spec: Any) -> None:
     assert spec.linear_layers() == [0, 1, 2] and spec.attention_layers() == [3]
-    r = run_ok(spec, "read L[linear].attention_keys")
+    r = run_ok(spec, "read L[linear].attention_keys", prompt=CLEAN)
     assert [op.layer for op in r.run("main").ops] == spec.linear_layers()
 
 
@@ -66,21 +66,22 @@ def test_every_catalogue_value_resolves_where_it_exists(spec: Any) -> None:
     lines = []
     for name, v in values.CATALOGUE.items():
         lines.append(f"read L*.{name}" + ("(3)" if v.positional else ""))
-    r = run_ok(spec, "\n".join(lines))
+    r = run_ok(spec, "\n".join(lines), prompt=CLEAN)
     got = {(op.layer, op.value) for op in r.run("main").ops}
     want = {(i, n) for n in values.CATALOGUE for i in range(spec.num_layers) if spec.unavailable(i, n) is None}
     assert got == want
 
 
 def test_value_on_attention_block_names_its_kind(spec: Any) -> None:
-    (e,) = errors_of(spec, "read L3.states")
+    (e,) = errors_of(spec, "read L3.states", prompt=CLEAN)
     assert isinstance(e, DeltaResolveError)
     assert e.message == "L3 has no value 'states': no DeltaNet mixer on this block (full_attention)"
     assert (e.span.line, e.span.column) == (3, 6)
 
 
 def test_all_errors_of_a_file_are_reported(spec: Any) -> None:
-    errs = errors_of(spec, "read L3.states\nread L0.nope\nread L0.state_after(99)\nwrite L0.states = zeros")
+    errs = errors_of(spec, "read L3.states\nread L0.nope\nread L0.state_after(99)\nwrite L0.states = zeros",
+                     prompt=CLEAN)
     assert [e.span.line for e in errs] == [3, 4, 5, 6]
     assert all(isinstance(e, DeltaResolveError) for e in errs)
 
@@ -89,7 +90,8 @@ def test_all_errors_of_a_file_are_reported(spec: Any) -> None:
 
 
 def test_positions_negative_and_quoted(spec: Any) -> None:
-    r = run_ok(spec, 'read L0.state_after(0), L0.state_after(-1), L0.state_after("Tower"), L0.state_after("e")')
+    r = run_ok(spec, 'read L0.state_after(0), L0.state_after(-1), L0.state_after("Tower"), L0.state_after("e")',
+               prompt=CLEAN)
     assert [op.position for op in r.run("main").ops] == [0, 33, 15, 2]  # "e": first occurrence, in "The"
 
 
@@ -163,7 +165,10 @@ def test_other_sources(spec: Any) -> None:
 
 
 def test_main_prompt_choice(spec: Any) -> None:
-    assert run_ok(spec, "read L0.states").run("main").prompt == "clean"  # the first prompt declared
+    """`main` runs on --prompt, else on the prompt named `main`, else on the only prompt; never a guess."""
+    assert check(f'prompt clean = "{CLEAN}"\nread L0.states', spec).run("main").prompt == "clean"
+    (e,) = errors_of(spec, "read L0.states")  # two prompts, neither named main: no guess
+    assert "declares 2: clean, other" in e.message and (e.span.line, e.span.column) == (3, 1)
     r = check(HEADER + 'prompt main = "xyz"\nread L0.states', spec)
     assert r.run("main").prompt_text == "xyz"
     r = check(HEADER + "read L0.states", spec, prompt="override")
@@ -259,6 +264,6 @@ def test_every_family(family: str, tiny_spec: Callable[[str], Any]) -> None:
 
 
 def test_resolve_takes_a_program_and_spec(spec: Any) -> None:
-    prog = parse(HEADER + "read L0.states")
+    prog = parse(f'prompt clean = "{CLEAN}"\nread L0.states')
     r = resolve(prog, spec)
     assert r.run("main").ops[0].result_name == "main.L0.states"

@@ -78,8 +78,29 @@ def test_states_and_state_output(loaded: tuple) -> None:
         torch.testing.assert_close(states[:, 6], mid, atol=1e-5, rtol=0)
 
 
+def _kernel_betas(model: deltalang.DeltaModel, hf: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The betas transformers' own forward hands its chunk kernel, one per DeltaNet block in order."""
+    fam = model.family
+    module = fam.module
+    real = kernels.original(fam, fam.chunk_kernel)
+    saved = getattr(module, fam.chunk_kernel)
+    seen: list[torch.Tensor] = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["beta"].clone())
+        return real(*args, **kwargs)
+
+    setattr(module, fam.chunk_kernel, spy)
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        setattr(module, fam.chunk_kernel, saved)
+    return seen
+
+
 def test_inputs_of_the_delta_rule(loaded: tuple, family: str) -> None:
-    model, _ = loaded
+    model, hf = loaded
     mix = model.layers[0].linear_attn
     d = model.spec.dims
     with torch.no_grad(), model.trace(PROMPT):
@@ -95,10 +116,15 @@ def test_inputs_of_the_delta_rule(loaded: tuple, family: str) -> None:
     assert v.shape == y.shape == (1, n, d["heads"], d["value_dim"])
     assert g.dtype == torch.float32 and bool((g <= 0).all())
     assert g.shape == ((1, n, d["heads"], d["key_dim"]) if family == "kimi_linear" else (1, n, d["heads"]))
+    # the betas served are the ones transformers' own forward gives its kernel
+    truth = _kernel_betas(model, hf, _ids(model, PROMPT))
+    assert len(truth) == len(model.spec.linear_layers())
+    torch.testing.assert_close(b, truth[model.spec.linear_layers().index(0)], atol=0, rtol=0)
     upper = 2.0 if family == "olmo_hybrid" else 1.0
     assert bool((b > 0).all()) and bool((b < upper).all())
-    if family == "olmo_hybrid":
-        assert float(b.max()) > 1.0 or float(b.min()) >= 0  # (0, 2): the 2x scale is applied
+    if family == "olmo_hybrid":  # (0, 2): the 2x scale is applied, and these weights reach past 1
+        assert hf.config.linear_allow_neg_eigval
+        assert float(b.max()) > 1.0
     assert o.shape == (1, n, model.config.hidden_size)
 
 

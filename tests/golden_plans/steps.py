@@ -17,18 +17,34 @@ PROMPTS = {
 
 def experiment(model):
     results = {}
-    # pass 1: g
+    # pass 1: plain
     with torch.no_grad(), model.generate(PROMPTS['clean'], max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
         for step in tracer.iter[[0, 1, 2]]:
             if step == 0:
-                results['g.step0.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # steps.dl:5
+                results['~plain.step0.logits'] = model.logits.save()  # steps.dl:11
             if step == 1:
-                results['g.step1.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # steps.dl:5
-                results['s1'] = model.layers[1].linear_attn.state_input.save()  # steps.dl:7
+                results['~plain.step1.logits'] = model.logits.save()  # steps.dl:11
             if step == 2:
-                results['g.step2.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # steps.dl:5
-                model.layers[1].linear_attn.state_input = torch.zeros_like(model.layers[1].linear_attn.state_input)  # steps.dl:6
-        results['g.tokens'] = tracer.result[:, 34:].save()  # steps.dl:8 the new tokens
+                results['~plain.step2.logits'] = model.logits.save()  # steps.dl:11
+        results['plain.tokens'] = tracer.result[:, 34:].save()  # steps.dl:5 the new tokens
+    # pass 2: g
+    with torch.no_grad(), model.generate(PROMPTS['clean'], max_new_tokens=3, min_new_tokens=3, do_sample=False) as tracer:
+        for step in tracer.iter[[0, 1, 2]]:
+            if step == 0:
+                results['g.step0.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # steps.dl:8
+                results['~g.step0.logits'] = model.logits.save()  # steps.dl:11
+            if step == 1:
+                results['g.step1.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # steps.dl:8
+                results['s1'] = model.layers[1].linear_attn.state_input.save()  # steps.dl:10
+                results['~g.step1.logits'] = model.logits.save()  # steps.dl:11
+            if step == 2:
+                results['g.step2.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # steps.dl:8
+                model.layers[1].linear_attn.state_input = torch.zeros_like(model.layers[1].linear_attn.state_input)  # steps.dl:9
+                results['~g.step2.logits'] = model.logits.save()  # steps.dl:11
+        results['g.tokens'] = tracer.result[:, 34:].save()  # steps.dl:12 the new tokens
+    results['g.step0.kl(plain)'] = measures.kl(results['~g.step0.logits'], results['~plain.step0.logits'])  # steps.dl:11
+    results['g.step1.kl(plain)'] = measures.kl(results['~g.step1.logits'], results['~plain.step1.logits'])  # steps.dl:11
+    results['g.step2.kl(plain)'] = measures.kl(results['~g.step2.logits'], results['~plain.step2.logits'])  # steps.dl:11
     return {k: v for k, v in results.items() if not k.startswith('~')}
 
 
