@@ -1,0 +1,259 @@
+"""The resolved program: what the resolver hands the compiler, and how results are named.
+
+`Resolved` holds the runs in source order; each `ResolvedRun` has one `ResolvedOp`
+per block with every position a plain non-negative token index, and its
+`ResolvedMeasure`s. Write sources are `FromRun`, `Zeros`, `Named`, `Scale`, `Mean`.
+Sweeps stay templates (ops whose block or position is a sweep variable) with
+their axes resolved; `ResolvedRun.points()` and `ResolvedRun.instantiate()` expand
+them. The naming rules (`op_result_name`, `measure_result_name`, `site_text`) are
+DESIGN's and live here alone: the resolver, the planner and the sweep engine name
+results through them.
+
+Depends on `ast` (spans, quoting) and `spec` (the model's shape) only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator, Mapping, Sequence, Union
+
+import attrs
+
+from . import ast
+from .errors import DeltaWarning, Span
+from .spec import ModelSpec
+
+# ---- the resolved program ------------------------------------------------------
+
+
+@attrs.frozen
+class FromRun:
+    """Write the value a donor run reads at this site: the donor read this write implies."""
+
+    run: str
+    layer: int | None
+    value: str
+    position: int | None
+    step: int | None
+    layer_var: str | None = None  # sweep templates: the block is this variable's
+    position_var: str | None = None  # sweep templates: the position is this variable's
+    position_map: tuple[tuple[int, int], ...] = ()  # with position_var: (target position, donor position)
+
+
+@attrs.frozen
+class Zeros:
+    """Write zeros of the value's shape."""
+
+
+@attrs.frozen
+class Named:
+    """Write the result `name` that run `run` reads (`read ... as NAME`)."""
+
+    name: str
+    run: str
+
+
+@attrs.frozen
+class Scale:
+    """Write the value itself times `factor`."""
+
+    factor: float
+
+
+@attrs.frozen
+class Mean:
+    """Write the mean of the same site over clean runs of these prompts."""
+
+    prompts: tuple[str, ...]  # the names as written (prompts or prompt lists)
+    texts: tuple[str, ...]  # every prompt text, lists flattened
+    positions: tuple[int, ...] | None = None  # the position in each text; None for values without one
+
+
+WriteSource = Union[FromRun, Zeros, Named, Scale, Mean]
+
+
+@attrs.frozen
+class ResolvedOp:
+    """One read or write of one value on one block (or of a model-level value)."""
+
+    kind: str  # "read" | "write"
+    layer: int | None  # None for model-level values (and sweep block variables)
+    value: str
+    position: int | None  # non-negative, in the run's prompt's own token coordinates
+    step: int | None  # generate step; None: every step, or not a generate
+    result_name: str | None  # reads: where the result is stored; writes: None
+    source: WriteSource | None = None  # writes only
+    written: str = ""  # the site as written, its block made concrete: L0.state_after("Tower")
+    alias: str | None = None  # the `as NAME` of a read
+    layer_var: str | None = None  # sweep templates: the block is this variable's
+    position_var: str | None = None  # sweep templates: the position is this variable's
+    span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
+
+
+@attrs.frozen
+class ResolvedMeasure:
+    """One measure of a run: prob, rank, logit_diff, kl or norm (one per block)."""
+
+    kind: str
+    result_name: str
+    step: int | None = None
+    token_ids: tuple[int, ...] = ()  # prob/rank: one id; logit_diff: (a, b)
+    token_texts: tuple[str, ...] = ()  # the strings as written
+    against: str | None = None  # kl: the other run
+    layer: int | None = None  # norm: the site
+    value: str | None = None
+    position: int | None = None
+    written: str = ""
+    alias: str | None = None
+    layer_var: str | None = None
+    position_var: str | None = None
+    span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
+
+
+@attrs.frozen
+class SweepAxis:
+    """One axis of a sweep: a variable over blocks or over positions."""
+
+    var: str
+    kind: str  # "block" | "position"
+    values: tuple[int, ...]  # block indices, or positions resolved in the sweep's prompt
+    labels: tuple[int, ...]  # the values as written (a range's numbers may be negative)
+    span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
+
+
+@attrs.frozen
+class ResolvedRun:
+    """One forward (trace), one generate, or one sweep (a template over its axes)."""
+
+    name: str
+    kind: str  # "trace" | "generate" | "sweep"
+    prompt: str  # the prompt's name
+    prompt_text: str
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]  # each token as the tokenizer spells it: 'ĠTower'
+    max_new_tokens: int | None = None
+    implicit: bool = False  # `main`, or a clean run of a prompt named in `from`/`kl`
+    ops: tuple[ResolvedOp, ...] = ()
+    measures: tuple[ResolvedMeasure, ...] = ()
+    route: str | None = None  # None | "torch" | "default"
+    axes: tuple[SweepAxis, ...] = ()
+    span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
+
+    def points(self) -> Iterator[dict[str, int]]:
+        """Every point of a sweep: {variable: block index or resolved position}."""
+        names = [a.var for a in self.axes]
+        for combo in itertools.product(*(a.values for a in self.axes)):
+            yield dict(zip(names, combo, strict=True))
+
+    def instantiate(self, binding: Mapping[str, int]) -> "ResolvedRun":
+        """This sweep at one point: a trace named `NAME[var=value,...]` with concrete ops."""
+        label = ",".join(f"{k}={v}" for k, v in binding.items())
+        name = f"{self.name}[{label}]"
+        ops = tuple(_bind_op(op, binding, name) for op in self.ops)
+        measures = tuple(_bind_measure(m, binding, name) for m in self.measures)
+        return attrs.evolve(self, name=name, kind="trace", ops=ops, measures=measures, axes=())
+
+
+@attrs.frozen
+class Resolved:
+    """A program checked against a model: the compiler's input."""
+
+    model: str | None  # the program's `model "ID"`, if any
+    prompts: dict[str, str | tuple[str, ...]]
+    runs: tuple[ResolvedRun, ...]
+    spec: ModelSpec = attrs.field(eq=False, repr=False)
+    source: str = attrs.field(default="", eq=False, repr=False)
+    filename: str = attrs.field(default="<program>", eq=False, repr=False)
+    warnings: tuple[DeltaWarning, ...] = attrs.field(default=(), eq=False, repr=False)  # in source order
+
+    def run(self, name: str) -> ResolvedRun:
+        """The run called `name` (KeyError if none)."""
+        for r in self.runs:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    @property
+    def result_names(self) -> list[str]:
+        """Every result the program stores, in source order."""
+        out: list[str] = []
+        for r in self.runs:
+            out.extend(op.result_name for op in r.ops if op.result_name is not None)
+            out.extend(m.result_name for m in r.measures)
+        return out
+
+
+# ---- naming -----------------------------------------------------------------------
+
+
+def site_text(layer: int | None, value: str, position: Any, layer_var: str | None = None) -> str:
+    """`L0.state_after(3)`, `next_token_probs`; a sweep variable's block as `L{L}`."""
+    text = value if position is None else f"{value}({position})"
+    if layer_var is not None:
+        return f"L{{{layer_var}}}.{text}"
+    return text if layer is None else f"L{layer}.{text}"
+
+
+def op_result_name(run: str, step: int | None, layer: int | None, value: str, position: Any,
+                   alias: str | None, multi: bool, layer_var: str | None = None) -> str:
+    """DESIGN's naming: `NAME`, `NAME.L<i>`, `RUN.L<i>.VALUE`, `RUN.step<k>.L<i>.VALUE`."""
+    if alias is not None:
+        return f"{alias}.L{layer}" if multi else alias
+    prefix = run if step is None else f"{run}.step{step}"
+    return f"{prefix}.{site_text(layer, value, position, layer_var)}"
+
+
+def _measure_call_text(kind: str, texts: Sequence[str], against: str | None, site: str) -> str:
+    if kind in ("prob", "rank"):
+        return f"{kind}({ast.quote(texts[0])})"
+    if kind == "logit_diff":
+        return f"logit_diff({ast.quote(texts[0])}, {ast.quote(texts[1])})"
+    if kind == "kl":
+        return f"kl({against})"
+    return f"norm({site})"
+
+
+def measure_result_name(run: str, step: int | None, call: str, alias: str | None,
+                        layer: int | None, multi: bool) -> str:
+    """`RUN.prob(" Paris")`, `RUN.step2.kl(base)`, or the `as` name (`NAME.L<i>` over blocks)."""
+    if alias is not None:
+        return f"{alias}.L{layer}" if multi else alias
+    prefix = run if step is None else f"{run}.step{step}"
+    return f"{prefix}.{call}"
+
+
+def _bind_op(op: ResolvedOp, b: Mapping[str, int], run: str) -> ResolvedOp:
+    layer = b[op.layer_var] if op.layer_var is not None else op.layer
+    pos = b[op.position_var] if op.position_var is not None else op.position
+    src = op.source
+    if isinstance(src, FromRun):
+        src = attrs.evolve(src, layer=b[src.layer_var] if src.layer_var else src.layer,
+                           position=dict(src.position_map)[b[src.position_var]] if src.position_var
+                           else src.position, layer_var=None, position_var=None, position_map=())
+    name = None
+    if op.result_name is not None:
+        multi = op.alias is not None and op.result_name != op.alias
+        name = op_result_name(run, op.step, layer, op.value, pos, op.alias, multi)
+        if op.alias is not None:
+            name = f"{run}.{name}"  # one result per point of the sweep
+    written = op.written
+    if op.layer_var is not None:
+        written = written.replace(f"{op.layer_var}.", f"L{layer}.", 1)
+    if op.position_var is not None:
+        written = written.replace(f"({op.position_var})", f"({pos})", 1)
+    return attrs.evolve(op, layer=layer, position=pos, source=src, result_name=name, written=written,
+                        layer_var=None, position_var=None)
+
+
+def _bind_measure(m: ResolvedMeasure, b: Mapping[str, int], run: str) -> ResolvedMeasure:
+    layer = b[m.layer_var] if m.layer_var is not None else m.layer
+    pos = b[m.position_var] if m.position_var is not None else m.position
+    site = site_text(layer, m.value or "", pos) if m.kind == "norm" else ""
+    call = _measure_call_text(m.kind, m.token_texts, m.against, site)
+    multi = m.alias is not None and m.result_name != m.alias
+    name = measure_result_name(run, m.step, call, m.alias, layer, multi)
+    if m.alias is not None:
+        name = f"{run}.{name}"  # one result per point of the sweep
+    written = f"norm({site_text(layer, m.value or '', pos)})" if m.kind == "norm" else m.written
+    return attrs.evolve(m, layer=layer, position=pos, result_name=name, written=written, layer_var=None,
+                        position_var=None)
