@@ -13,17 +13,25 @@ Options that would only fail once a model is loaded or has run (`--prompt ""`,
 `--device`, `--remote`, an `--out` that cannot be written) are checked by
 `check_options` before any command starts. Every command reads its program
 with `read_program`.
+
+Every command's handler is here (`run_main`, `emit_main`, `check_main`,
+`fmt_main`, `info_main`, `sweep_main`); they import the package's modules
+lazily, so a command loads only what it uses.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from .errors import DeltaError
+from .errors import DeltaError, show_warnings_on_stderr
+
+if TYPE_CHECKING:
+    from .compiled import Experiment
 
 # what `--device` may name; availability is asked of torch
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
@@ -88,7 +96,7 @@ def check_options(args: argparse.Namespace) -> None:
     if getattr(args, "device", None) is not None and getattr(args, "device_map", None) is None:
         check_device(args.device)
     if getattr(args, "out", None) is not None:
-        from .run import check_out_dir
+        from .results import check_out_dir
 
         check_out_dir(args.out)
 
@@ -98,40 +106,143 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code")
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from .info import info_main
-
-    return info_main(args)
+# ---- the commands: each handler gets the parsed arguments, returns the exit status ----------
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    from .check import check_main
+def _experiment(args: argparse.Namespace) -> Experiment:
+    """The program of a command compiled against its model (options already checked by `check_options`)."""
+    from .compiled import Experiment
 
-    return check_main(args)
-
-
-def cmd_fmt(args: argparse.Namespace) -> int:
-    from .check import fmt_main
-
-    return fmt_main(args)
+    source, filename = read_program(args)
+    return Experiment.from_source(source, args.model, filename=filename, prompt=args.prompt, device=args.device,
+                                  dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                                  device_map=args.device_map)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from .run import run_main
+def info_main(args: argparse.Namespace) -> int:
+    """`deltalang info [--model M]`: the model's blocks, kernels and the values each serves."""
+    from .info import format_info
+    from .spec import load_spec
 
-    return run_main(args)
-
-
-def cmd_emit(args: argparse.Namespace) -> int:
-    from .run import emit_main
-
-    return emit_main(args)
+    spec = load_spec(args.model, trust_remote_code=getattr(args, "trust_remote_code", False))
+    print(format_info(spec), end="")
+    return 0
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import sweep_main
+def check_main(args: argparse.Namespace) -> int:
+    """`deltalang check FILE | -e TEXT [--prompt P] [--model M]`: print the resolved program, or the errors."""
+    import warnings
 
-    return sweep_main(args)
+    from .check import check
+    from .errors import DeltaWarning
+    from .explain import format_resolved
+    from .plan import build_plan
+
+    try:
+        text, filename = read_program(args)
+        with warnings.catch_warnings():  # the warnings are part of the output below
+            warnings.simplefilter("ignore", DeltaWarning)
+            resolved = check(text, getattr(args, "model", None), filename=filename,
+                             prompt=getattr(args, "prompt", None),
+                             trust_remote_code=getattr(args, "trust_remote_code", False))
+        try:  # what `run` would refuse while ordering the runs (a cycle, a step a run lacks)
+            build_plan(resolved)
+        except DeltaError as e:
+            raise e.located(text, filename) from None
+    except DeltaError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    sys.stdout.write(format_resolved(resolved))
+    return 0
+
+
+def fmt_main(args: argparse.Namespace) -> int:
+    """`deltalang fmt FILE [-w]`: print the program in canonical form, or rewrite the file."""
+    from .ast import format_program
+    from .parse import parse
+
+    try:
+        text, filename = read_program(args)
+        program = parse(text, filename)
+    except DeltaError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    out = format_program(program, text)
+    if getattr(args, "write", False):
+        if filename.startswith("<"):
+            print("error: fmt -w rewrites a file; standard input has none", file=sys.stderr)
+            return 1
+        if out != text:
+            try:
+                Path(filename).write_text(out, encoding="utf-8")
+            except OSError as e:
+                print(f"error: cannot rewrite {filename}: {e.strerror or e}", file=sys.stderr)
+                return 1
+        return 0
+    sys.stdout.write(out)
+    return 0
+
+
+def emit_main(args: argparse.Namespace) -> int:
+    """`deltalang emit FILE [--plan]`: the nnsight code a program compiles to, or its plan."""
+    exp = _experiment(args)
+    print(exp.format_plan() if args.plan else exp.code, end="")
+    return 0
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """`deltalang run FILE [--out DIR]`: run a program, print its results (a program with sweeps: `sweep_main`)."""
+    t0 = time.perf_counter()
+    exp = _experiment(args)
+    if exp.has_sweeps:
+        return sweep_main(args, exp)
+    t1 = time.perf_counter()
+    results = exp.run()
+    t2 = time.perf_counter()
+    print(results.summary())
+    print(f"({len(exp.plan.passes)} pass(es); compile {1000 * (t1 - t0):.0f} ms incl. model load, "
+          f"run {t2 - t1:.2f} s)", file=sys.stderr)
+    if args.out is not None:
+        out = results.save(args.out)
+        print(f"wrote {out}/results.safetensors, results.json, program.dl, {results.code_file}", file=sys.stderr)
+    return 0
+
+
+def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
+    """`deltalang sweep FILE [--out DIR] [--resume] [--batch-size N] [--normalise clean=A,corrupted=B]`."""
+    from rich.console import Console
+
+    from .results import Results
+    from .sweep import DeltaSweepError, render_tables, run_sweeps
+
+    t0 = time.perf_counter()
+    if exp is None:
+        exp = _experiment(args)
+    err = Console(stderr=True)
+    stdout = Console() if sys.stdout.isatty() else Console(width=200)  # logs keep whole tables
+    if not exp.has_sweeps:
+        raise DeltaSweepError("the program has no sweep: run it with `deltalang run`")
+    out = getattr(args, "out", None)
+    if out is None and getattr(args, "command", "sweep") == "sweep":
+        err.print("note: no --out, so nothing is saved as cells finish (give --out DIR to keep a CSV and plots)",
+                  highlight=False)
+    outcome = run_sweeps(exp, out=out, resume=bool(getattr(args, "resume", False)),
+                         batch_size=getattr(args, "batch_size", None), normalise=getattr(args, "normalise", None),
+                         progress=True, console=err, engine="naive" if getattr(args, "naive", False) else "auto")
+    for table in outcome.tables:
+        for item in render_tables(table):
+            stdout.print(item)
+    cell_prefixes = tuple(f"{t.name}[" for t in outcome.tables)
+    others = {k: v for k, v in outcome.results.items() if not k.startswith(cell_prefixes)}
+    if others:
+        print(Results(others, model=exp.model).summary())
+    if out is not None:
+        outcome.results.save(out)
+        shown = ", ".join(str(f.relative_to(out)) if f.is_relative_to(out) else str(f) for f in outcome.files)
+        err.print(f"wrote {out}/: {shown}, results.json, results.safetensors, program.dl, "
+                  f"{outcome.results.code_file} (the sweeps' reference form)", highlight=False)
+    err.print(f"({time.perf_counter() - t0:.1f} s)", highlight=False)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,23 +254,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", parents=[debug], help="the model's blocks, kernels and which values each serves")
     _add_model_args(p)
-    p.set_defaults(func=cmd_info)
+    p.set_defaults(func=info_main)
 
     p = sub.add_parser("check", parents=[debug], help="check a program against a model without running it")
     p.add_argument("file", nargs="?", help="a .dl file ('-' for standard input)")
     p.add_argument("-e", dest="expr", help="the program text itself")
     p.add_argument("--prompt", help="the prompt of the implicit top-level trace")
     _add_model_args(p)
-    p.set_defaults(func=cmd_check)
+    p.set_defaults(func=check_main)
 
     p = sub.add_parser("fmt", parents=[debug], help="print a program in canonical form")
     p.add_argument("file", help="a .dl file ('-' for standard input)")
     p.add_argument("--write", "-w", action="store_true", help="rewrite the file in place")
-    p.set_defaults(func=cmd_fmt)
+    p.set_defaults(func=fmt_main)
 
-    for name, func, helptext in (("run", cmd_run, "run a program"),
-                                 ("emit", cmd_emit, "print the nnsight code a program compiles to"),
-                                 ("sweep", cmd_sweep, "run a program's sweeps: progress, table, CSV and plots")):
+    for name, func, helptext in (("run", run_main, "run a program"),
+                                 ("emit", emit_main, "print the nnsight code a program compiles to"),
+                                 ("sweep", sweep_main, "run a program's sweeps: progress, table, CSV and plots")):
         p = sub.add_parser(name, parents=[debug], help=helptext)
         p.add_argument("file", nargs="?", help="a .dl file ('-' for standard input)")
         p.add_argument("-e", dest="expr", help="the program text itself")
@@ -219,8 +330,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _quiet_transformers()
-    from .errors import show_warnings_on_stderr
-
     show_warnings_on_stderr()  # a program's warnings, rendered like its errors
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import attrs
 
-from . import __version__
+from . import measures
 from .errors import Span
+from .ir import FromRun, Mean, Named, Scale, Zeros
 from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan
-from .resolve import FromRun, Mean, Named, Scale, Zeros
+from .version import __version__
 
 INDENT = "    "
 
@@ -214,18 +215,9 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
             w.add(1, f"results[{c.key!r}] = torch.stack([{inputs}]).mean(dim=0)")
     for run, m in plan.measures:
         keys = plan.inputs[m.result_name]  # the run's own input, then (kl) the other run's logits
-        x = f"results[{keys[0]!r}]"
-        if m.kind == "prob":
-            expr = f"measures.prob({x}, {m.token_ids[0]})"
-        elif m.kind == "rank":
-            expr = f"measures.rank({x}, {m.token_ids[0]})"
-        elif m.kind == "logit_diff":
-            expr = f"measures.logit_diff({x}, {m.token_ids[0]}, {m.token_ids[1]})"
-        elif m.kind == "kl":
-            expr = f"measures.kl({x}, results[{keys[1]!r}])"
-        else:
-            expr = f"measures.norm({x})"
-        w.add(1, f"results[{m.result_name!r}] = {expr}", m.span)
+        reference = f"results[{keys[1]!r}]" if m.kind == "kl" else None
+        args = [f"results[{keys[0]!r}]", *map(str, measures.arguments(m.kind, m.token_ids, reference))]
+        w.add(1, f"results[{m.result_name!r}] = measures.{m.kind}({', '.join(args)})", m.span)
     w.add(1, f"return {{k: v for k, v in results.items() if not k.startswith({HIDDEN!r})}}")
     w.blank()
     w.blank()

@@ -1,12 +1,15 @@
-"""`deltalang info`: the model's blocks, their kernels, and which values each serves."""
+"""What a model serves on this process: its blocks, their kernels, and which values each serves.
+
+Reads a `ModelSpec` (no weights) and the kernel routing (`deltalang.kernels`):
+`status` says whether block i serves a value, or why not (the block's kind, or a
+compiled kernel without Python source); `support_table` is `DeltaModel.support()`;
+`format_info` is the table `deltalang info` prints.
+"""
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
-
 from . import kernels, values
-from .spec import ModelSpec, load_spec
+from .spec import ModelSpec
 
 AVAILABLE = "available"
 
@@ -96,11 +99,3 @@ def format_info(spec: ModelSpec) -> str:
             console.print(f"{mark} {reason}")
         console.print("model values: " + ", ".join(values.MODEL_VALUES))
     return cap.get()
-
-
-def info_main(args: argparse.Namespace) -> int:
-    spec = load_spec(args.model, trust_remote_code=getattr(args, "trust_remote_code", False))
-    print(format_info(spec), end="")
-    return 0
-
-

@@ -5,9 +5,10 @@ per block with every position a plain non-negative token index, and its
 `ResolvedMeasure`s. Write sources are `FromRun`, `Zeros`, `Named`, `Scale`, `Mean`.
 Sweeps stay templates (ops whose block or position is a sweep variable) with
 their axes resolved; `ResolvedRun.points()` and `ResolvedRun.instantiate()` expand
-them. The naming rules (`op_result_name`, `measure_result_name`, `site_text`) are
+them. The naming rules (`op_result_name`, `measure_result_name`, `measure_call_text`, `site_text`) are
 DESIGN's and live here alone: the resolver, the planner and the sweep engine name
-results through them.
+results through them. `format_source` is the one spelling of a resolved write's
+source (`check` and `emit --plan` print it; `token_note` names a position's token).
 
 Depends on `ast` (spans, quoting) and `spec` (the model's shape) only.
 """
@@ -15,7 +16,7 @@ Depends on `ast` (spans, quoting) and `spec` (the model's shape) only.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Mapping, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import attrs
 
@@ -203,7 +204,8 @@ def op_result_name(run: str, step: int | None, layer: int | None, value: str, po
     return f"{prefix}.{site_text(layer, value, position, layer_var)}"
 
 
-def _measure_call_text(kind: str, texts: Sequence[str], against: str | None, site: str) -> str:
+def measure_call_text(kind: str, texts: Sequence[str], against: str | None, site: str) -> str:
+    """A measure's call as its result name spells it: `prob(" Paris")`, `kl(base)`, `norm(L0.state_output)`."""
     if kind in ("prob", "rank"):
         return f"{kind}({ast.quote(texts[0])})"
     if kind == "logit_diff":
@@ -220,6 +222,59 @@ def measure_result_name(run: str, step: int | None, call: str, alias: str | None
         return f"{alias}.L{layer}" if multi else alias
     prefix = run if step is None else f"{run}.step{step}"
     return f"{prefix}.{call}"
+
+
+# ---- printing a write's source ------------------------------------------------------
+
+
+def token_note(tokens: Sequence[str], position: int | None) -> str:
+    """` ('ĠTower')`: the token at a position of a prompt's `tokens`, or which generated token it is."""
+    if position is None or position < 0:
+        return ""
+    if position >= len(tokens):
+        return f" (new token {position - len(tokens) + 1})"
+    return f" ({tokens[position]!r})"
+
+
+def format_source(src: WriteSource | None, runs: Sequence[ResolvedRun] = (), *, donor_key: str | None = None,
+                  number: Callable[[float], str] = ast.format_number) -> str:
+    """A resolved write's source as printed after its site; the one spelling `check` and `emit --plan` share.
+
+    `= zeros`, `*= 0.5` (the factor through `number`). A value taken from elsewhere
+    is spelled with its donor made explicit (`check`): `from base.L0.state_after(3)
+    ('ĠTower')`, the token from the donor among `runs`; `= NAME (read in RUN)`;
+    `= mean(p, q: 2 prompts, positions 3 4)`. Given `donor_key` it is the result the
+    plan reads instead (`emit --plan`): `= ~base.L0.state_after(3)`.
+    (`ast.format_source` prints a source as written, before it is resolved.)
+    """
+    if isinstance(src, Zeros):
+        return "= zeros"
+    if isinstance(src, Scale):
+        return f"*= {number(src.factor)}"
+    if donor_key is not None and isinstance(src, (FromRun, Named, Mean)):
+        return f"= {donor_key}"
+    if isinstance(src, FromRun):
+        donor = next((r for r in runs if r.name == src.run), None)
+        pos: Any = src.position if src.position_var is None else f"{{{src.position_var}}}"
+        text = f"from {src.run}" + ("" if src.step is None else f".step{src.step}") + "."
+        layer = src.layer
+        if src.layer_var is not None:
+            text += f"L{{{src.layer_var}}}."
+        elif layer is not None:
+            text += f"L{layer}."
+        text += src.value if pos is None else f"{src.value}({pos})"
+        if donor is not None and src.position is not None:
+            text += token_note(donor.tokens, src.position)
+        if src.position_map:
+            text += f" ({src.position_var}: " + " ".join(f"{a}->{b}" for a, b in src.position_map) + ")"
+        return text
+    if isinstance(src, Named):
+        return f"= {src.name} (read in {src.run})"
+    if isinstance(src, Mean):
+        n = len(src.texts)
+        where = "" if not src.positions else ", positions " + " ".join(str(p) for p in src.positions)
+        return f"= mean({', '.join(src.prompts)}: {n} prompt{'s' if n != 1 else ''}{where})"
+    return "?"
 
 
 def _bind_op(op: ResolvedOp, b: Mapping[str, int], run: str) -> ResolvedOp:
@@ -249,7 +304,7 @@ def _bind_measure(m: ResolvedMeasure, b: Mapping[str, int], run: str) -> Resolve
     layer = b[m.layer_var] if m.layer_var is not None else m.layer
     pos = b[m.position_var] if m.position_var is not None else m.position
     site = site_text(layer, m.value or "", pos) if m.kind == "norm" else ""
-    call = _measure_call_text(m.kind, m.token_texts, m.against, site)
+    call = measure_call_text(m.kind, m.token_texts, m.against, site)
     multi = m.alias is not None and m.result_name != m.alias
     name = measure_result_name(run, m.step, call, m.alias, layer, multi)
     if m.alias is not None:

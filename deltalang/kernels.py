@@ -6,8 +6,15 @@ for a one-token decode step, `causal_conv1d_fn` / `causal_conv1d_update` for the
 short convolution). `install(family)` rebinds those four names to thin
 dispatchers. Outside an nnsight trace, or inside one that asks for nothing of a
 mixer, a dispatcher calls the original function at once. Inside a trace that
-asks for a mixer's values, it hands the call to `deltalang.mixer.MixerSite`,
-which serves the values and splits the kernel where positions are asked for.
+asks for a mixer's values, it hands the call to the running mixer's `Site`
+(`deltalang.mixer.MixerSite`), which serves the values and splits the kernel
+where positions are asked for.
+
+The site registry lives here, below the mixers: a mixer's forward `enter`s its
+site on the stack of running mixers, `current_site()` is what a dispatcher
+asks, and `unwind` / `unwinding()` drop the calls that have ended. A dispatcher
+knows a site only through the `Site` protocol, so this module never imports
+`deltalang.mixer`.
 
 Because the dispatcher is what the globals hold from the first `load_model` on,
 routing (`route_kernels`) only changes a table the dispatcher reads: it works
@@ -26,7 +33,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -39,6 +46,64 @@ ROUTES = ("default", "torch")
 _ORIGINALS: dict[str, dict[str, Callable[..., Any]]] = {}
 # family name -> "default" | "torch"
 _ROUTE: dict[str, str] = {}
+
+
+# --------------------------------------------------------------------------
+# The site registry: the stack of running mixers, which the dispatchers ask.
+# --------------------------------------------------------------------------
+
+
+class Site(Protocol):
+    """The model side of one running mixer, as the dispatchers see it (`deltalang.mixer.MixerSite`)."""
+
+    layer: int
+
+    def active(self) -> bool:
+        """Whether the running trace waits on one of this mixer's values (else the kernel runs as is)."""
+
+    def kernel(self, fn: Callable[..., Any], decode: bool, *args: Any, **kwargs: Any) -> Any:
+        """Run one delta-rule call through `fn`, serving the values asked for."""
+
+    def conv(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a prompt's short convolution through `fn`, serving the windows asked for."""
+
+    def conv_update(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a decode step's convolution through `fn`, serving the windows asked for."""
+
+    def ended(self) -> None:
+        """The call has left the stack (by its exit hook, or unwound after an exception)."""
+
+
+_STACK: list[Site] = []
+
+
+def current_site() -> Site | None:
+    """The DeltaNet mixer whose forward is running now, if any."""
+    return _STACK[-1] if _STACK else None
+
+
+def enter(site: Site) -> int:
+    """Put a starting call on the stack of running mixers; return where it entered (for `unwind`)."""
+    depth = len(_STACK)
+    _STACK.append(site)
+    return depth
+
+
+def unwind(depth: int) -> None:
+    """Drop the calls from `depth` up: they have ended, by their exit hook or by an exception."""
+    for site in _STACK[depth:]:
+        site.ended()
+    del _STACK[depth:]
+
+
+@contextmanager
+def unwinding() -> Iterator[None]:
+    """Leave the stack of running mixers as it was, however what runs inside ends."""
+    depth = len(_STACK)
+    try:
+        yield
+    finally:
+        unwind(depth)
 
 
 def _kernel_names(fam: families.Family) -> tuple[str, str, str, str]:
@@ -190,8 +255,6 @@ def token_by_token(fam: families.Family) -> Callable[..., Any]:
 
 
 def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    from .mixer import current_site
-
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         site = current_site()
         if which == "chunk":
@@ -217,8 +280,6 @@ def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> 
         site = current_site()
         if site is not None and site.active() and which != "recurrent":
             if which != "chunk" or _ROUTE[fam.name] != "torch":
-                from .errors import DeltaValueError
-
                 name = fam.chunk_kernel if which == "chunk" else (fam.conv_fn if which == "conv" else fam.conv_update)
                 raise DeltaValueError(f"L{site.layer}: {compiled_message(fam, name)}")
         return dispatch(*args, **kwargs)
@@ -243,7 +304,6 @@ def prepare(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value:
 
     Returns q, k, v `[b, h, s, d]`, g `[b, h, s]` (Kimi: `[b, h, s, dk]`), beta `[b, h, s]`.
     """
-    l2norm = getattr(fam.module, "l2norm")
     heads = value.shape[-2]
     if key.shape[-2] != heads:
         rep = heads // key.shape[-2]
@@ -251,11 +311,18 @@ def prepare(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value:
         key = key.repeat_interleave(rep, dim=2)
     # contiguous, so that a slice of the sequence reduces in the same order as the whole
     q, k, v, b_, gg = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (query, key, value, beta, g))
-    if use_qk_l2norm:
-        q = l2norm(q, dim=-1, eps=1e-6)
-        k = l2norm(k, dim=-1, eps=1e-6)
-    q = q * (q.shape[-1] ** -0.5)
-    return q, k, v, gg, b_
+    return _read_query(fam, q, use_qk_l2norm), _normed(fam, k, use_qk_l2norm), v, gg, b_
+
+
+def _normed(fam: families.Family, x: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
+    """A float32 query or key as the kernel normalises it: l2-norm over key_dim, when it asks for it."""
+    return getattr(fam.module, "l2norm")(x, dim=-1, eps=1e-6) if use_qk_l2norm else x
+
+
+def _read_query(fam: families.Family, q: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
+    """A float32 query, heads repeated, as the kernel reads the state with it: normalised, times 1/sqrt(dk)."""
+    q = _normed(fam, q, use_qk_l2norm)
+    return q * (q.shape[-1] ** -0.5)
 
 
 def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -289,11 +356,8 @@ def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, valu
 def read_state(fam: families.Family, query_t: torch.Tensor, state: torch.Tensor, heads: int,
                use_qk_l2norm: bool) -> torch.Tensor:
     """One token's read of a state: `q_t @ S`, as the kernel computes it. query_t `[b, hk, dk]`."""
-    l2norm = getattr(fam.module, "l2norm")
     q = query_t.to(torch.float32)
     if q.shape[-2] != heads:
         q = q.repeat_interleave(heads // q.shape[-2], dim=1)
-    if use_qk_l2norm:
-        q = l2norm(q, dim=-1, eps=1e-6)
-    q = q * (q.shape[-1] ** -0.5)
+    q = _read_query(fam, q, use_qk_l2norm)
     return (q[:, :, None, :] @ state.to(torch.float32))[:, :, 0].to(query_t.dtype)

@@ -1,10 +1,17 @@
 """The measures a program can ask for, computed from a run's saved logits or a read site.
 
 Each takes the next-token logits `[b, s, vocab]` (or `[b, vocab]`) of a run and
-returns a float per prompt (a plain float for one prompt).
+returns a float per prompt (a plain float for one prompt); `norm` takes a read value.
+
+The one dispatch from a measure's kind to its function and arguments: `arguments()`
+(the token ids or the reference run's logits after the run's own input), used both
+by the code `emit` writes (`measures.prob(results[...], 123)`) and, through
+`evaluate()`, by the sweep engine.
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
 
 import torch
 
@@ -48,3 +55,21 @@ def norm(x: torch.Tensor) -> float | torch.Tensor:
     if x.dim() >= 4 and x.shape[1] > 1 and x.dim() == 5:  # states: [b, s, h, k, v] -> [b, s]
         return x.flatten(2).norm(dim=-1)
     return _scalar(x.flatten(1).norm(dim=-1))
+
+
+KINDS = {"prob": prob, "rank": rank, "logit_diff": logit_diff, "kl": kl, "norm": norm}
+LOGIT_KINDS = ("prob", "rank", "logit_diff", "kl")  # the measures of next-token logits
+_TOKENS = {"prob": 1, "rank": 1, "logit_diff": 2}  # how many token ids each kind takes
+
+
+def arguments(kind: str, token_ids: Sequence[int], reference: Any = None) -> tuple[Any, ...]:
+    """What measure `kind` takes after the run's own input: its token ids, or (`kl`) `reference`."""
+    if kind == "kl":
+        return (reference,)
+    return tuple(token_ids[:_TOKENS.get(kind, 0)])
+
+
+def evaluate(kind: str, x: torch.Tensor, token_ids: Sequence[int] = (),
+             reference: torch.Tensor | None = None) -> float | torch.Tensor:
+    """Measure `kind` of `x` (a run's logits, or the value `norm` reads); `reference`: `kl`'s other logits."""
+    return KINDS[kind](x, *arguments(kind, token_ids, reference))

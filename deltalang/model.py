@@ -14,6 +14,10 @@ as a re-run notebook cell does; `load_model` of one checkpoint twice; several
 families side by side): every wrapper works, in any order (see
 `deltalang.mixer`). The kernel dispatchers (`deltalang.kernels.install`) are
 put in place once per family and process.
+
+`decoder(hf)` / `decoder_layers(hf)` find the decoder stack and its blocks of a
+transformers model (or of its envoy), wherever the architecture keeps them: the
+one place that knows it.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from nnsight import LanguageModel
 
 from . import families, kernels, values
 from .errors import DeltaModelError
-from .mixer import DeltaNetEnvoy, MixerSite, unwinding
+from .info import support_table
+from .kernels import unwinding
+from .mixer import DeltaNetEnvoy, MixerSite
 from .spec import ModelSpec, load_config, load_tokenizer, spec_from_config, _display_id
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -56,10 +63,7 @@ class DeltaModel(LanguageModel):
     @property
     def layers(self) -> Any:
         """The decoder blocks (an envoy list), wherever the architecture keeps them."""
-        inner = self.model
-        if hasattr(inner, "language_model"):
-            inner = inner.language_model
-        return inner.layers
+        return decoder_layers(self)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -81,8 +85,6 @@ class DeltaModel(LanguageModel):
         `support()` maps `"linear_attn.states"` etc. to a list over blocks;
         `support(layer=i)` to block i's entry.
         """
-        from .info import support_table
-
         table = support_table(self.spec)
         if layer is None:
             return table
@@ -96,9 +98,8 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
                device_map: str | None = None) -> DeltaModel:
     """Load a hybrid checkpoint: None = the bundled model, a local directory, or a hub id."""
     where, config = load_config(name_or_path, trust_remote_code)
-    spec = spec_from_config(_display_id(name_or_path, where), config, None)
-    fam = spec.family
-    kernels.install(fam)
+    spec = spec_from_config(_display_id(name_or_path, where), config, None)  # refused before any weight is read
+    kernels.install(spec.family)
     tokenizer = load_tokenizer(where, trust_remote_code)
 
     from transformers import AutoModelForCausalLM
@@ -118,17 +119,20 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
         raise DeltaModelError(f"cannot load the weights of {where!r}: {str(e).splitlines()[0]}") from None
     if device_map is None:
         hf = hf.to(device)
-    return wrap_model(hf, tokenizer, spec.model_id)
+    return _wrap(hf, tokenizer, attrs.evolve(spec, config=hf.config))
 
 
 def wrap_model(hf: torch.nn.Module, tokenizer: Any, model_id: str | None = None) -> DeltaModel:
     """Wrap an in-memory transformers model of a supported family (what `load_model` returns)."""
-    import attrs
-
     model_id = model_id or getattr(hf.config, "_name_or_path", None) or type(hf).__name__
     spec = spec_from_config(model_id, hf.config, tokenizer)
+    kernels.install(spec.family)
+    return _wrap(hf, tokenizer, spec)
+
+
+def _wrap(hf: torch.nn.Module, tokenizer: Any, spec: ModelSpec) -> DeltaModel:
+    """The wrapper of `hf`, whose spec is built and whose family's kernels are installed."""
     fam = spec.family
-    kernels.install(fam)
     if getattr(tokenizer, "pad_token", None) is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -144,11 +148,18 @@ def wrap_model(hf: torch.nn.Module, tokenizer: Any, model_id: str | None = None)
     return model
 
 
-def _layers_of(hf: torch.nn.Module) -> torch.nn.ModuleList:
+def decoder(hf: Any) -> Any:
+    """The decoder stack (`.layers`, `.norm`, `.config`) of a transformers model or its envoy.
+
+    A causal LM keeps it at `.model`, a multimodal one at `.model.language_model`.
+    """
     inner = getattr(hf, "model", hf)
-    if hasattr(inner, "language_model"):
-        inner = inner.language_model
-    layers = getattr(inner, "layers", None)
+    return getattr(inner, "language_model", inner)
+
+
+def decoder_layers(hf: Any) -> Any:
+    """The decoder blocks of a transformers model (a ModuleList) or of its envoy (an envoy list)."""
+    layers = getattr(decoder(hf), "layers", None)
     if layers is None:
         raise DeltaModelError(f"cannot find the decoder blocks of {type(hf).__name__}")
     return layers
@@ -157,7 +168,7 @@ def _layers_of(hf: torch.nn.Module) -> torch.nn.ModuleList:
 def _attach_sites(hf: torch.nn.Module, spec: ModelSpec) -> dict[int, MixerSite]:
     sites: dict[int, MixerSite] = {}
     mixer_type = spec.family.mixer_type
-    for i, block in enumerate(_layers_of(hf)):
+    for i, block in enumerate(decoder_layers(hf)):
         if spec.kind(i) != values.DELTANET:
             continue
         mixer = getattr(block, spec.family.mixer_attr, None)

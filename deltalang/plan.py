@@ -1,4 +1,4 @@
-"""From a resolved program to an ordered plan of forward passes: `build_plan()`, `format_plan()`.
+"""From a resolved program to an ordered plan of forward passes: `build_plan()` (printed by `explain`).
 
 The planner makes three decisions, each a small function below:
 
@@ -36,7 +36,7 @@ import networkx as nx
 
 from . import values
 from .errors import DeltaPlanError, Span
-from .resolve import FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
+from .ir import FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, op_result_name
 
 HIDDEN = "~"  # results whose key starts with this are internal (donor reads, mean inputs)
 
@@ -147,8 +147,6 @@ def expand_steps(run: ResolvedRun) -> list[ResolvedOp]:
     """A generate's ops without a step apply at every step: one op per step."""
     if run.kind != "generate":
         return list(run.ops)
-    from .resolve import op_result_name
-
     out: list[ResolvedOp] = []
     for op in run.ops:
         if op.step is not None or op.value == "tokens":
@@ -229,36 +227,40 @@ def kl_step(run: ResolvedRun, m: ResolvedMeasure, other: ResolvedRun) -> int | N
     return step
 
 
-def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str, str, Any]], list[Combine],
-                                              list[tuple[str, ResolvedMeasure]], dict[str, tuple[str, ...]]]:
-    """Every run with its ops, the donor edges (from run, to run, the op making it), the means, the
-    measures (a generate's expanded to its steps) and the results keys each measure is computed from."""
-    by_name = {r.name: r for r in resolved.runs}
-    ops: dict[str, list[PlanOp]] = {}
-    meta: dict[str, ResolvedRun] = {}
-    edges: list[tuple[str, str, Any]] = []
-    combines: list[Combine] = []
-    measures: list[tuple[str, ResolvedMeasure]] = []
-    implicit_why: dict[str, str] = {}
-    read_keys: dict[str, str] = {}  # result name -> run that reads it
-    measure_inputs: dict[str, tuple[str, ...]] = {}
-
+def _expand_runs(resolved: Resolved) -> tuple[list[ResolvedRun], dict[str, list[ResolvedOp]], dict[str, str],
+                                               list[tuple[str, ResolvedMeasure]]]:
+    """The runs to plan (a sweep's cells instantiated), their ops (a generate's expanded to its steps), the run
+    that reads each named result, and the measures (one per result name)."""
     runs = [r for r in resolved.runs if r.kind != "sweep"]
     for r in resolved.runs:
         if r.kind == "sweep":
             runs.extend(r.instantiate(point) for point in r.points())
     expanded: dict[str, list[ResolvedOp]] = {}
+    read_keys: dict[str, str] = {}  # result name -> run that reads it
+    measures: list[tuple[str, ResolvedMeasure]] = []
+    seen: set[str] = set()
     for r in runs:
-        meta[r.name] = r
-        ops[r.name] = []
         expanded[r.name] = expand_steps(r)
         for op in expanded[r.name]:
             if op.kind == "read" and op.result_name is not None:
                 read_keys[op.result_name] = r.name
         for m in expand_measure_steps(r):
-            if m.result_name not in measure_inputs:  # `step 2: measure X` beside `measure X`: one result
-                measure_inputs[m.result_name] = ()
+            if m.result_name not in seen:  # `step 2: measure X` beside `measure X`: one result
+                seen.add(m.result_name)
                 measures.append((r.name, m))
+    return runs, expanded, read_keys, measures
+
+
+def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str, str, Any]], list[Combine],
+                                              list[tuple[str, ResolvedMeasure]], dict[str, tuple[str, ...]]]:
+    """Every run with its ops, the donor edges (from run, to run, the op making it), the means, the
+    measures (a generate's expanded to its steps) and the results keys each measure is computed from."""
+    runs, expanded, read_keys, measures = _expand_runs(resolved)
+    ops: dict[str, list[PlanOp]] = {r.name: [] for r in runs}
+    meta: dict[str, ResolvedRun] = {r.name: r for r in runs}
+    edges: list[tuple[str, str, Any]] = []
+    combines: list[Combine] = []
+    implicit_why: dict[str, str] = {}
 
     def add_donor(run: str, layer: int | None, value: str, position: int | None, step: int | None,
                   for_run: str, why: Any) -> str:
@@ -309,8 +311,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
                 combines.append(Combine(dkey, tuple(inputs)))
             ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, source=src,
                                       donor_key=dkey, text=op.written, span=op.span))
-    for run, m in measures:
-        measure_inputs[m.result_name] = _measure_reads(meta[run], m, meta, ops, add_donor)
+    measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor) for run, m in measures}
 
     plans = {}
     for name, r in meta.items():
@@ -421,51 +422,3 @@ def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:
         i = max(produced[k] for k in c.inputs)
         passes[i] = attrs.evolve(passes[i], then=passes[i].then + (c,))
     return Plan(tuple(passes), tuple(combines), tuple(measures), resolved, inputs)
-
-
-# ---------------------------------------------------------------------------
-# reading a plan
-# ---------------------------------------------------------------------------
-
-
-def site(op: PlanOp) -> str:
-    text = op.value if op.position is None else f"{op.value}({op.position})"
-    if op.value == STATES_AS_RUN:
-        text = "states (as the written forward ran)"
-    where = "" if op.layer is None else f"L{op.layer}."
-    step = "" if op.step is None else f"step {op.step}: "
-    return f"{step}{where}{text}"
-
-
-def describe_source(op: PlanOp) -> str:
-    src = op.source
-    if isinstance(src, Zeros):
-        return "= zeros"
-    if isinstance(src, Scale):
-        return f"*= {src.factor:g}"
-    if isinstance(src, (FromRun, Named, Mean)):
-        return f"= {op.donor_key}"
-    return "?"
-
-
-def format_plan(plan: Plan) -> str:
-    """The plan as text: passes, their runs (invokes), each op in forward order."""
-    lines = []
-    for p in plan.passes:
-        what = "generate" if p.kind == "generate" else "trace"
-        route = f", route {p.route}" if p.route else ""
-        lines.append(f"pass {p.index}: one {what}, {len(p.runs)} invoke(s){route}")
-        for r in p.runs:
-            extra = f", max_new_tokens {r.max_new_tokens}" if r.kind == "generate" else ""
-            why = f"  (implicit: {r.why or 'a clean run for ' + r.name})" if r.implicit else ""
-            lines.append(f"  {r.name} on {r.prompt_text!r}{extra}{why}")
-            for op in r.ops:
-                if op.kind == "read":
-                    lines.append(f"    read  {site(op):40} -> {op.key}")
-                else:
-                    lines.append(f"    write {site(op):40} {describe_source(op)}")
-        for c in p.then:
-            lines.append(f"  then {c.key} = mean of {len(c.inputs)} reads")
-    for run, m in plan.measures:
-        lines.append(f"measure {m.result_name}")
-    return "\n".join(lines) + "\n"

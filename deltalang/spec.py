@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from . import families, values
+from . import bundled, families, values
 from .errors import DeltaModelError
 
 
@@ -64,13 +64,12 @@ class ModelSpec:
 
 
 def _resolve_path(name_or_path: str | Path | None) -> str:
-    from .bundled import PATH
-
     if name_or_path is None:
-        if not (PATH / "config.json").exists():
+        if not (bundled.PATH / "config.json").exists():
             raise DeltaModelError(
-                f"the bundled model is missing from {PATH}; reinstall deltalang or run scripts/train_bundled.py")
-        return str(PATH)
+                f"the bundled model is missing from {bundled.PATH}; reinstall deltalang or run "
+                f"scripts/train_bundled.py")
+        return str(bundled.PATH)
     return str(name_or_path)
 
 
@@ -160,6 +159,4 @@ def load_spec(name_or_path: str | Path | None = None, trust_remote_code: bool = 
 
 
 def _display_id(name_or_path: str | Path | None, where: str) -> str:
-    from .bundled import NAME
-
-    return NAME if name_or_path is None else where
+    return bundled.NAME if name_or_path is None else where

@@ -2,7 +2,10 @@
 
 The front end checks programs against this table (does the value exist on the
 block kind, does it take a position, can it be written), the planner orders ops
-by `order`, and the model side (`deltalang.mixer`) serves the values named here.
+by `order`, and the model side (`deltalang.mixer`) serves the values named here:
+the user side's properties and methods (`DeltaNetEnvoy.states`,
+`.state_after(t)` / `.set_state_after(t, v)`) are generated from this table,
+with `doc` (and `write_doc`) as their docstrings. A new value is one entry here.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ class Value:
 
     name: str
     shape: str  # for humans: "[b, s, heads, key_dim]"
-    doc: str
+    doc: str  # for humans, with the shape: the docstring of its envoy property (or method)
     kinds: tuple[str, ...] = (DELTANET,)
     writable: bool = False
     positional: bool = False  # takes a position: state_after(t)
     order: int = 0  # forward order inside a block; lower runs first
     kernel: bool = True  # served at the DeltaNet kernel (needs the pure-torch kernel)
     per_token: bool = False  # has a sequence axis
+    write_doc: str = ""  # a positional value's write: the docstring of the envoy's `set_<name>(t, value)`
 
 
 # `order` follows the mixer's forward: the convolution runs before the kernel,
@@ -36,34 +40,42 @@ CATALOGUE: dict[str, Value] = {
     v.name: v
     for v in (
         Value("conv_window_after", "[b, conv_dim, width-1]",
-              "the short-convolution inputs that tokens after t still see", writable=True,
-              positional=True, order=10),
+              "The short-convolution inputs tokens after t still see: [b, conv_dim, width-1].", writable=True,
+              positional=True, order=10,
+              write_doc="Replace what tokens after t see of the tokens up to t through the convolution."),
         Value("attention_queries", "[b, s, heads, key_dim]",
-              "queries the delta rule receives, before l2-norm and scale", writable=True, order=20,
-              per_token=True),
+              "Queries the delta rule receives, before l2-norm and 1/sqrt(key_dim): [b, s, heads, key_dim].",
+              writable=True, order=20, per_token=True),
         Value("attention_keys", "[b, s, heads, key_dim]",
-              "keys the delta rule receives, before l2-norm", writable=True, order=21, per_token=True),
-        Value("attention_values", "[b, s, heads, value_dim]", "values the delta rule receives",
-              writable=True, order=22, per_token=True),
-        Value("decays", "[b, s, heads] (Kimi: [b, s, heads, key_dim])",
-              "log of the share of the state each token keeps, <= 0", writable=True, order=23,
+              "Keys the delta rule receives, before l2-norm: [b, s, heads, key_dim].", writable=True, order=21,
               per_token=True),
-        Value("betas", "[b, s, heads]", "write strength, (0,1); (0,2) on OLMo-Hybrid", writable=True,
+        Value("attention_values", "[b, s, heads, value_dim]",
+              "Values the delta rule receives: [b, s, heads, value_dim].", writable=True, order=22,
+              per_token=True),
+        Value("decays", "[b, s, heads] (Kimi: [b, s, heads, key_dim])",
+              "Log of the share of the state each token keeps (<= 0): [b, s, heads] (Kimi: [b, s, heads, key_dim]).",
+              writable=True, order=23, per_token=True),
+        # in (0,1); (0,2) on OLMo-Hybrid
+        Value("betas", "[b, s, heads]", "Write strength of each token: [b, s, heads].", writable=True,
               order=24, per_token=True),
         Value("state_input", "[b, heads, key_dim, value_dim] or None",
-              "the state the call starts from", writable=True, order=30),
-        Value("states", "[b, s, heads, key_dim, value_dim]", "the state after every token (read-only)",
+              "The state the call starts from: None on a fresh prompt, a copy of the cached state on a decode "
+              "step.", writable=True, order=30),
+        Value("states", "[b, s, heads, key_dim, value_dim]",
+              "The state after every token of the call: [b, s, heads, key_dim, value_dim] (read-only).",
               order=40, per_token=True),
-        Value("state_after", "[b, heads, key_dim, value_dim]", "the state after token t",
-              writable=True, positional=True, order=50),
+        Value("state_after", "[b, heads, key_dim, value_dim]",
+              "The state after token t of the call (t may be negative): [b, heads, key_dim, value_dim].",
+              writable=True, positional=True, order=50,
+              write_doc="Replace the state after token t: token t's output reads it, tokens t+1.. continue from it."),
         Value("attention_head_outputs", "[b, s, heads, value_dim]",
-              "each head's read of the state, before the gated norm and output projection",
+              "Each head's read of the state, before the gated norm and output projection: [b, s, heads, value_dim].",
               writable=True, order=55, per_token=True),
-        Value("state_output", "[b, heads, key_dim, value_dim]", "the state after the call's last token",
-              writable=True, order=60),
-        Value("attention_output", "[b, s, hidden]", "what the mixer adds to the residual stream",
+        Value("state_output", "[b, heads, key_dim, value_dim]",
+              "The state after the call's last token: [b, heads, key_dim, value_dim].", writable=True, order=60),
+        Value("attention_output", "[b, s, hidden]", "What the mixer adds to the residual stream: [b, s, hidden].",
               writable=True, order=80, kernel=False, per_token=True),
-        Value("output", "[b, s, hidden]", "the block's output: the residual stream after it",
+        Value("output", "[b, s, hidden]", "The block's output, the residual stream after it: [b, s, hidden].",
               kinds=(DELTANET, ATTENTION), writable=True, order=90, kernel=False, per_token=True),
     )
 }

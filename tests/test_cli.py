@@ -28,7 +28,7 @@ import deltalang
 from deltalang.cli import main
 from deltalang.errors import DeltaError
 
-run_module = importlib.import_module("deltalang.run")
+run_module = importlib.import_module("deltalang.compiled")
 
 EIFFEL = "The Eiffel Tower is in the city of"
 OK = f'prompt p = "{EIFFEL}"\ntrace t on p {{\n    measure prob(" Paris")\n}}\n'
@@ -199,7 +199,7 @@ def test_running_out_of_memory_is_not_called_a_bug(files: dict[str, Path], monke
 
 
 def test_internal_error_in_any_command_is_reported_as_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importlib.import_module("deltalang.check"), "format_resolved", _bug)
+    monkeypatch.setattr(importlib.import_module("deltalang.explain"), "format_resolved", _bug)
     rc, _, err = cli("check", "-e", "read L0.states", "--prompt", EIFFEL)
     assert rc == 2 and "internal error in deltalang" in one_error_line(err)
 

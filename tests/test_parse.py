@@ -11,10 +11,11 @@ import attrs
 import pytest
 
 from deltalang import ast
-from deltalang.check import check, format_resolved
+from deltalang.check import check
 from deltalang.errors import DeltaError, DeltaErrors, DeltaSyntaxError, Span
+from deltalang.explain import format_resolved
+from deltalang.ir import Resolved
 from deltalang.parse import parse
-from deltalang.resolve import Resolved
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden"

@@ -14,9 +14,11 @@ import pytest
 from deltalang import values
 from deltalang.check import check
 from deltalang.errors import DeltaError, DeltaErrors, DeltaResolveError
+from deltalang.ir import FromRun, Mean, Named, Resolved, Scale, Zeros
 from deltalang.parse import parse
-from deltalang.resolve import FromRun, Mean, Named, Resolved, Scale, Zeros, resolve, tokenize
+from deltalang.resolve import resolve
 from deltalang.testing import FAMILY_NAMES
+from deltalang.tokens import tokenize
 
 CLEAN = "The Eiffel Tower is in the city of"  # 34 tokens
 OTHER = "My favourite food is pizza with"  # 31 tokens

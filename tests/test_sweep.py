@@ -128,7 +128,7 @@ def test_engine_equals_the_naive_path_on_the_other_families(family: str) -> None
 def test_donors_from_a_trace_with_writes_and_several_captures(model: deltalang.DeltaModel,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """`from RUN` takes RUN's intervened value; start positions split over several clean captures agree."""
-    engine = importlib.import_module("deltalang.sweep")  # the module (`deltalang.sweep` may be the function)
+    engine = importlib.import_module("deltalang.sweep.memory")  # where the captures are sized
     monkeypatch.setattr(engine, "PREFIX_BYTES", 1)  # one start position per capture
     src = PROMPTS + ('trace patched on other {\n    write L1.state_after(10) = zeros\n}\n'
                      'sweep s on clean over L in L[linear], t in 19..22 {\n    write L.state_after(t) from patched\n'

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from . import world
+from . import PATH, world
 
 MODES = ("none", "state", "whole")
 
@@ -27,8 +27,6 @@ MODES = ("none", "state", "whole")
 def load(path: Any = None) -> tuple[Any, Any]:
     """The bundled model and tokenizer through `AutoModelForCausalLM` / `AutoTokenizer`, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from . import PATH
 
     path = PATH if path is None else path
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

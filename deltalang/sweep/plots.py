@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .sweep import SweepTable
+    from .table import SweepTable
 
 MAX_CURVES = 12
 

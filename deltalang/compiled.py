@@ -1,0 +1,159 @@
+"""A compiled program: `Experiment` (its plan and emitted code; `run()` executes it -> `Results`).
+
+    exp = Experiment.from_source('read L0.states', model=None, prompt="The Eiffel Tower is in the city of")
+    exp.plan, exp.code, exp.run()["main.L0.states"]
+
+`get_model` / `model_for`: a loaded model for a source (the given one, its
+`model` line, else the bundled model), loaded once per process. The source is
+parsed once: to find its `model` line when no model is given, and that parse
+is the one `check` resolves.
+
+The emitted code is executed from `linecache` under a `<deltalang:FILE>` name
+(nnsight reads the `with` blocks' source back). A DeltaError raised while it
+runs (a write that does not fit, ...) is reported against the program line its
+op came from; any other exception is deltalang's own bug and propagates as it
+is (the command line reports it as one).
+
+This layer does not know the sweep engine: a program with sweeps runs through
+the `sweep_driver` it was given (`deltalang.run.compile` gives the engine's);
+without one, `run()` refuses it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import linecache
+import traceback
+from typing import Any, Callable, Mapping
+
+from . import ast
+from .bundled import NAME
+from .check import check
+from .emit import emit
+from .errors import DeltaError, Span
+from .explain import format_plan
+from .model import DeltaModel, load_model
+from .parse import parse
+from .plan import Plan, build_plan
+from .results import Results
+
+_MODELS: dict[tuple, DeltaModel] = {}
+
+
+def get_model(model: Any = None, *, device: str = "cpu", dtype: Any = None,
+              trust_remote_code: bool = False, device_map: str | None = None) -> DeltaModel:
+    """A loaded model: `model` itself, or a path / hub id / None (bundled), loaded once per process."""
+    if isinstance(model, DeltaModel):
+        return model
+    key = (str(model) if model is not None else None, device, str(dtype), trust_remote_code, device_map)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                                  device_map=device_map)
+    return _MODELS[key]
+
+
+def model_for(source: str, model: Any, filename: str = "<program>", *, program: ast.Program | None = None,
+              **kw: Any) -> DeltaModel:
+    """The model a source runs on: `model`, else its `model` line, else the bundled one (`get_model`'s options).
+
+    `program`: `source` already parsed; otherwise it is parsed here, only when `model` is None.
+    """
+    if model is None:
+        if program is None:
+            program = parse(source, filename)
+        for item in program.items:
+            if isinstance(item, ast.ModelDecl):
+                model = item.name
+    return get_model(model, **kw)
+
+
+class Experiment:
+    """A compiled program: its `plan`, its `code`, and `run()`."""
+
+    def __init__(self, source: str, model: DeltaModel, *, filename: str = "<program>",
+                 prompt: str | None = None, batch: bool = True, resolved: Any = None,
+                 program: ast.Program | None = None,
+                 sweep_driver: Callable[[Experiment], Results] | None = None) -> None:
+        self.source = source
+        self.filename = filename
+        self.model = model
+        self.prompt = prompt
+        self.sweep_driver = sweep_driver  # runs a program with sweeps (the sweep engine's driver)
+        # `resolved`: the program already checked, maybe rewritten (the sweep engine runs parts of it)
+        self.resolved = resolved if resolved is not None else check(source, model.spec, filename=filename,
+                                                                    prompt=prompt, program=program)
+        try:
+            self.plan: Plan = build_plan(self.resolved, batch=batch)
+        except DeltaError as e:
+            raise e.located(source, filename)
+        self.emitted = emit(self.plan, filename=filename, model_id=_model_arg(model))
+
+    @classmethod
+    def from_source(cls, source: str, model: Any = None, *, filename: str = "<program>",
+                    prompt: str | None = None, batch: bool = True,
+                    sweep_driver: Callable[[Experiment], Results] | None = None, **kw: Any) -> Experiment:
+        """Parse (once), check, plan and emit `source` against `model_for(source, model, **kw)`."""
+        program = parse(source, filename) if model is None else None
+        return cls(source, model_for(source, model, filename, program=program, **kw), filename=filename,
+                   prompt=prompt, batch=batch, program=program, sweep_driver=sweep_driver)
+
+    @property
+    def code(self) -> str:
+        return self.emitted.code
+
+    def format_plan(self) -> str:
+        return format_plan(self.plan)
+
+    @property
+    def has_sweeps(self) -> bool:
+        return any(r.kind == "sweep" for r in self.resolved.runs)
+
+    @property
+    def code_file(self) -> str:
+        """The name `code` is saved under: a sweep's code is the reference form the engine does not run."""
+        return "reference.py" if self.has_sweeps else "emitted.py"
+
+    def run(self) -> Results:
+        """Execute the emitted code on the model; sweeps go through the sweep driver (`deltalang.sweep`)."""
+        if self.has_sweeps:
+            if self.sweep_driver is None:
+                raise DeltaError("a program with sweeps runs through the sweep engine: deltalang.run(...), "
+                                 "deltalang.compile(...).run() or deltalang.run_sweep(...)")
+            return self.sweep_driver(self)
+        name = f"<deltalang:{self.filename}:{hashlib.sha1(self.code.encode()).hexdigest()[:8]}>"
+        linecache.cache[name] = (len(self.code), None, self.code.splitlines(keepends=True), name)
+        namespace: dict[str, Any] = {"__name__": "deltalang_emitted", "__file__": name}
+        exec(builtins.compile(self.code, name, "exec"), namespace)
+        try:
+            values = namespace["experiment"](self.model)
+        except DeltaError as e:  # the program's mistake, found as it ran: point at its line
+            raise self._locate(e, name, e) from None
+        return self.results_of(values)
+
+    def results_of(self, values: dict[str, Any], tokens: Mapping[str, tuple[str, ...]] | None = None) -> Results:
+        """`values` of this program as Results, with what `Results.summary` needs to show them.
+
+        `tokens`: the tokens of runs the resolved program does not list (a sweep's cells), by run name.
+        """
+        kinds = {op.key: op.value for p in self.plan.passes for r in p.runs for op in r.ops if op.key}
+        kinds.update({m.result_name: m.kind for _, m in self.plan.measures})
+        run_tokens = {r.name: r.tokens for r in self.resolved.runs}
+        run_tokens.update(tokens or {})
+        labels = {m.result_name: run_tokens.get(run, ()) for run, m in self.plan.measures if m.kind == "norm"}
+        return Results(values, model=self.model, program=self.source, code=self.code, kinds=kinds,
+                       token_labels=labels, code_file=self.code_file)
+
+    def _locate(self, err: DeltaError, codename: str, exc: BaseException) -> DeltaError:
+        tb = getattr(exc, "__intervention_tb__", None) or exc.__traceback__
+        span: Span | None = None
+        for frame, lineno in traceback.walk_tb(tb):
+            if frame.f_code.co_filename == codename and lineno in self.emitted.line_map:
+                span = self.emitted.line_map[lineno]
+        if span is not None and err.span is None:
+            err.span = span
+        return err.located(self.source, self.filename)
+
+
+def _model_arg(model: DeltaModel) -> str | None:
+    return None if model.spec.model_id == NAME else model.spec.model_id

@@ -1,0 +1,173 @@
+"""What `deltalang check` and `deltalang emit --plan` print: `format_resolved()`, `format_plan()`.
+
+`format_resolved()` prints a resolved program the way `deltalang check` shows it:
+the model, every prompt's tokens, every run, every op in source order, and what
+every position resolved to, with the token there (`L0.state_after("Tower") ->
+position 3 ('ĠTower')`). Counting tokens by hand is the slip researchers make
+most; this is where they see the count. The resolver's warnings are part of it,
+rendered like errors, before its last line.
+
+`format_plan()` prints a plan: its passes, the runs (invokes) of each, each op
+in forward order, and where each written value comes from in the results.
+
+A write's source is spelled by `deltalang.ir.format_source` for both. Layer 4:
+reads `ir`, `plan`, `ast`, `spec`; prints, decides nothing.
+"""
+
+from __future__ import annotations
+
+from . import ast
+from .ir import Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, format_source, token_note
+from .plan import STATES_AS_RUN, Plan, PlanOp
+from .spec import ModelSpec
+
+
+# ---- a resolved program (`deltalang check`) ---------------------------------------
+
+
+def describe_model(spec: ModelSpec) -> str:
+    """`NAME: qwen3_5, 4 blocks (DeltaNet L0 L1 L2; attention L3)`."""
+    lin = " ".join(f"L{i}" for i in spec.linear_layers()) or "none"
+    att = " ".join(f"L{i}" for i in spec.attention_layers()) or "none"
+    return f"{spec.model_id}: {spec.family.name}, {spec.num_layers} blocks (DeltaNet {lin}; attention {att})"
+
+
+def _token_table(tokens: tuple[str, ...], width: int = 96) -> list[str]:
+    """`0 'T'  1 'h'  2 'e' ...`, wrapped."""
+    lines: list[str] = []
+    cur = ""
+    for i, t in enumerate(tokens):
+        cell = f"{i} {t!r}"
+        if cur and len(cur) + 2 + len(cell) > width:
+            lines.append(cur)
+            cur = cell
+        else:
+            cur = f"{cur}  {cell}" if cur else cell
+    if cur:
+        lines.append(cur)
+    return lines
+
+
+def _position_note(position: int | None, position_var: str | None, tokens: tuple[str, ...]) -> str:
+    """` -> position 15 ('r')` for a resolved position, else nothing."""
+    if position_var is not None or position is None:
+        return ""
+    return f" -> position {position}{token_note(tokens, position)}"
+
+
+def format_op(op: ResolvedOp, run: ResolvedRun, resolved: Resolved) -> str:
+    """One op as `check` prints it."""
+    step = "" if op.step is None else f"step {op.step}: "
+    where = _position_note(op.position, op.position_var, run.tokens)
+    if op.kind == "read":
+        return f"{step}read {op.written}{where} as {op.result_name}"
+    return f"{step}write {op.written}{where} {format_source(op.source, resolved.runs)}"
+
+
+def format_run_header(run: ResolvedRun) -> str:
+    """`trace NAME on PROMPT (N tokens)`, with max_new_tokens, route, and a sweep's axes resolved."""
+    n = len(run.token_ids)
+    head = f"{run.kind} {run.name} on {run.prompt} ({n} token{'s' if n != 1 else ''})"
+    if run.max_new_tokens is not None:
+        head += f", max_new_tokens {run.max_new_tokens}"
+    if run.route is not None:
+        head += f", route {run.route}"
+    if run.implicit:
+        why = "the statements outside any block" if run.name == "main" else "a clean run, named in from/kl"
+        head += f"  [implicit: {why}]"
+    for a in run.axes:
+        if a.kind == "block":
+            head += f"\n  over {a.var} in " + " ".join(f"L{b}" for b in a.values)
+        else:
+            cells = " ".join(f"{p}{token_note(run.tokens, p)}" for p in a.values)
+            head += f"\n  over {a.var} in {a.labels[0]}..{a.labels[-1] + 1}: positions {cells}"
+    return head
+
+
+def format_resolved(resolved: Resolved) -> str:
+    """What `deltalang check` prints for a valid program."""
+    spec = resolved.spec
+    lines = [f"model {describe_model(spec)}"]
+    for name, text in resolved.prompts.items():
+        if isinstance(text, str):
+            run = next((r for r in resolved.runs if r.prompt == name), None)
+            tokens = run.tokens if run is not None else _spell(spec, text)
+            lines.append(f"prompt {name} = {ast.quote(text)}: {len(tokens)} tokens")
+            lines.extend("    " + ln for ln in _token_table(tokens))
+        else:
+            lines.append(f"prompts {name}: {len(text)} prompts")
+            for t in text:
+                lines.append(f"    {ast.quote(t)}: {len(_spell(spec, t))} tokens")
+    for run in resolved.runs:
+        lines.append("")
+        lines.append(format_run_header(run))
+        for op in run.ops:
+            lines.append("  " + format_op(op, run, resolved))
+        for m in run.measures:
+            lines.append("  " + format_measure(m, run, spec))
+    n_ops = sum(len(r.ops) for r in resolved.runs)
+    n_meas = sum(len(r.measures) for r in resolved.runs)
+    lines.append("")
+    lines.extend(w.render() for w in resolved.warnings)
+    n_warn = len(resolved.warnings)
+    lines.append(f"ok: {len(resolved.runs)} run{'s' if len(resolved.runs) != 1 else ''}, {n_ops} op"
+                 f"{'s' if n_ops != 1 else ''}, {n_meas} measure{'s' if n_meas != 1 else ''}"
+                 + (f", {n_warn} warning{'s' if n_warn != 1 else ''}" if n_warn else ""))
+    return "\n".join(lines) + "\n"
+
+
+def format_measure(m: ResolvedMeasure, run: ResolvedRun, spec: ModelSpec) -> str:
+    """One measure as `check` prints it, with the token ids it measures."""
+    step = "" if m.step is None else f"step {m.step}: "
+    extra = ""
+    if m.token_ids:
+        spelled = spec.tokenizer.convert_ids_to_tokens(list(m.token_ids))
+        extra = " -> " + ", ".join(f"token {i} ({s!r})" for i, s in zip(m.token_ids, spelled, strict=True))
+    elif m.kind == "norm" and m.position is not None and m.position_var is None:
+        extra = f" -> position {m.position}{token_note(run.tokens, m.position)}"
+    return f"{step}measure {m.written}{extra} as {m.result_name}"
+
+
+def _spell(spec: ModelSpec, text: str) -> tuple[str, ...]:
+    """A text's tokens as the tokenizer spells them."""
+    return tuple(spec.tokenizer.convert_ids_to_tokens(spec.token_ids(text)))
+
+
+# ---- a plan (`deltalang emit --plan`) ---------------------------------------------
+
+
+def site(op: PlanOp) -> str:
+    text = op.value if op.position is None else f"{op.value}({op.position})"
+    if op.value == STATES_AS_RUN:
+        text = "states (as the written forward ran)"
+    where = "" if op.layer is None else f"L{op.layer}."
+    step = "" if op.step is None else f"step {op.step}: "
+    return f"{step}{where}{text}"
+
+
+def describe_source(op: PlanOp) -> str:
+    """A planned write's source: `= zeros`, `*= 0.5`, or the result its value is read from (`= ~base.L0...`)."""
+    return format_source(op.source, donor_key=op.donor_key, number="{:g}".format)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as text: passes, their runs (invokes), each op in forward order."""
+    lines = []
+    for p in plan.passes:
+        what = "generate" if p.kind == "generate" else "trace"
+        route = f", route {p.route}" if p.route else ""
+        lines.append(f"pass {p.index}: one {what}, {len(p.runs)} invoke(s){route}")
+        for r in p.runs:
+            extra = f", max_new_tokens {r.max_new_tokens}" if r.kind == "generate" else ""
+            why = f"  (implicit: {r.why or 'a clean run for ' + r.name})" if r.implicit else ""
+            lines.append(f"  {r.name} on {r.prompt_text!r}{extra}{why}")
+            for op in r.ops:
+                if op.kind == "read":
+                    lines.append(f"    read  {site(op):40} -> {op.key}")
+                else:
+                    lines.append(f"    write {site(op):40} {describe_source(op)}")
+        for c in p.then:
+            lines.append(f"  then {c.key} = mean of {len(c.inputs)} reads")
+    for run, m in plan.measures:
+        lines.append(f"measure {m.result_name}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,102 @@
+"""`MixerSite`: the model side of one DeltaNet mixer, tying its requests, kernel call and convolution together.
+
+A site belongs to the transformers module (one per mixer, however often the
+model is wrapped: `mixer._deltalang_site`) and knows every wrapper that bound
+it, weakly. Each call serves the wrapper whose trace is interleaving when the
+call begins; a dropped wrapper is not kept alive.
+
+Its forward hooks put the call on the stack of running mixers
+(`deltalang.kernels.enter`), where the kernel dispatchers find it. A call's exit
+hook (torch calls it even when the forward raises an `Exception`) unwinds the
+stack to where the call began, nested calls included. A `BaseException`
+(KeyboardInterrupt) skips torch's exit hooks: a traced forward is unwound by
+`kernels.unwinding()` around it (`DeltaModel.interleave`), a plain forward the
+next time the interrupted mixer runs (a mixer never runs inside its own forward).
+
+Public attributes: `module`, `family`, `layer`, `dims`, `interleaver`, `path`,
+`pads`, `seq_len`, `cache`, `running`, and `direct`: writes applied without a
+trace (the sweep engine sets it around a block's call).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from nnsight.intervention.interleaver import Interleaver
+
+from .. import kernels
+from .conv import ConvWindows
+from .state import DeltaRuleCall
+
+if TYPE_CHECKING:
+    from ..families import Family
+
+
+class MixerSite(DeltaRuleCall, ConvWindows):
+    """The model side of one DeltaNet mixer: hooks, and the values it serves (a `kernels.Site`)."""
+
+    def __init__(self, module: torch.nn.Module, family: "Family", layer: int, dims: dict[str, int]) -> None:
+        self.module = module
+        self.family = family
+        self.layer = layer
+        self.dims = dims
+        # every wrapper that bound this mixer: (its interleaver, weakly; the envoy path it uses)
+        self._routes: list[tuple[weakref.ref[Interleaver], str]] = []
+        # the wrapper the running call serves (None between calls)
+        self.interleaver: Interleaver | None = None
+        self.path = ""
+        self._depth: int | None = None  # where the running call entered the stack
+        self.pads: list[int] | None = None  # per row, left padding of this call
+        self.seq_len = 0
+        self.cache: Any = None
+        self.running = False
+        # writes applied without a trace (the sweep engine): (value kind, absolute position) ->
+        # (rows of the batch, the value for those rows)
+        self.direct: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hooks = [
+            module.register_forward_pre_hook(self._enter, with_kwargs=True),
+            module.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def bind(self, interleaver: Interleaver, path: str) -> None:
+        """Serve a wrapper's traces too (weakly: a dropped wrapper drops out)."""
+        self._routes = [r for r in self._routes if r[0]() not in (None, interleaver)]
+        self._routes.append((weakref.ref(interleaver), path))
+
+    def _route(self) -> tuple[Interleaver | None, str]:
+        """The bound wrapper whose trace is interleaving now, if any."""
+        for ref, path in self._routes:
+            il = ref()
+            if il is not None and il.interleaving:
+                return il, path
+        return None, ""
+
+    # -- hooks ---------------------------------------------------------------
+
+    def _enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._depth is not None:  # left by a forward that ended in a BaseException
+            kernels.unwind(self._depth)
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        self.seq_len = int(hidden.shape[1]) if hidden is not None else 0
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == self.seq_len:
+            self.pads = [int(x) for x in (mask.shape[1] - mask.to(torch.long).sum(dim=1)).tolist()]
+        else:
+            self.pads = None
+        self.cache = kwargs.get("cache", kwargs.get("cache_params", kwargs.get("past_key_values")))
+        self.interleaver, self.path = self._route()
+        self.running = True
+        self._depth = kernels.enter(self)
+
+    def _exit(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._depth is not None:
+            kernels.unwind(self._depth)
+
+    def ended(self) -> None:
+        """This call has left the stack of running mixers."""
+        self.running = False
+        self._depth = None
+        self.interleaver = None  # neither a wrapper nor a cache is held between calls
+        self.cache = None

@@ -1,0 +1,151 @@
+"""One delta-rule call of a mixer, split at the positions the running trace asks for.
+
+The values are served from inside the kernel call (see `deltalang.kernels`):
+the kernel's inputs are the queries, keys, values, decays and betas; its initial
+state is `state_input`; its outputs are the head outputs and `state_output`.
+Per-position states are served lazily: before running the prompt, the site
+looks at which `state_after` positions a worker is parked on, runs the chunked
+kernel up to the first, serves (and maybe replaces) the state there, looks
+again, and continues with `initial_state` from it. Only the positions an
+experiment asks for are ever materialised, and the work is the chunked kernel's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .. import kernels
+from ..errors import DeltaValueError
+from .requests import Requests
+
+if TYPE_CHECKING:
+    from ..families import Family
+
+
+class DeltaRuleCall(Requests):
+    """The kernel side of `MixerSite`: one delta-rule call, serving every value asked of it."""
+
+    family: "Family"
+    dims: dict[str, int]
+
+    def kernel(self, fn: Callable[..., Any], decode: bool, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, g: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+               **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one delta-rule call, serving every value workers wait on."""
+        step = self.step()
+        kw.pop("chunk_size", None)
+        initial = kw.pop("initial_state", None)
+        want_final = bool(kw.pop("output_final_state", False))
+        l2 = bool(kw.pop("use_qk_l2norm_in_kernel", False))
+        kw.pop("cu_seqlens", None)
+        query = self.serve("attention_queries", query, step)
+        key = self.serve("attention_keys", key, step)
+        value = self.serve("attention_values", value, step)
+        g = self.serve("decays", g, step)
+        beta = self.serve("betas", beta, step)
+        self._check_shapes(query, key, value, g, beta)
+        served_in = initial.clone() if initial is not None else None
+        if served_in is None and self._writes("state_input"):
+            served_in = torch.zeros(self._state_shape(value), dtype=torch.float32, device=value.device)
+        new_in = self.serve("state_input", served_in, step)
+        if new_in is not served_in:
+            initial = self._checked_state(new_in, value, "state_input")
+        elif served_in is not None and initial is None:
+            initial = served_in
+
+        def run(a: int, b: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            out, final = fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                            initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+            return out, final
+
+        s = query.shape[1]
+        if self.wants("states"):
+            # every position: the token-by-token kernel, once; segments before any write are
+            # slices of it, so `states` and `state_after(t)` agree bit for bit
+            token_fn = kernels.token_by_token(self.family)
+            full, states = kernels.per_token(self.family, query, key, value, g, beta, initial, l2)
+            self.serve("states", states, step)  # read-only: a write is refused on the user side
+            clean = [initial]
+
+            def run(a: int, b: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                if state is clean[-1]:
+                    clean.append(states[:, b - 1])
+                    return full[:, a:b], clean[-1]
+                out, final = token_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b],
+                                      beta=beta[:, a:b], initial_state=state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2)
+                return out, final
+
+        pieces, state = self._split(run, s, initial, step, query, l2)
+        if self.wants("states_as_run"):
+            # the state after every token of the forward as it ran, the writes at positions applied
+            parts = [kernels.per_token(self.family, query[:, a:b], key[:, a:b], value[:, a:b], g[:, a:b],
+                                       beta[:, a:b], start, l2)[1] for a, b, start in self.segments]
+            as_run = torch.cat(parts, dim=1)
+            for (_, end, _), (_, _, start) in zip(self.segments, self.segments[1:]):
+                as_run[:, end - 1] = start  # a segment ends at a split position: the state there as written
+            self.serve("states_as_run", as_run, step)
+        out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+        out = self.serve("attention_head_outputs", out, step)
+        final = self.serve("state_output", state, step)
+        if final is not state:
+            final = self._checked_state(final, value, "state_output")
+        return out, (final if want_final else None)
+
+    def _split(self, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], s: int,
+               initial: torch.Tensor | None, step: int, query: torch.Tensor,
+               l2: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Run [0, s) in segments ending at each asked-for position, serving the state there."""
+        pieces: list[torch.Tensor] = []
+        pos, state = 0, initial
+        self.segments: list[tuple[int, int, torch.Tensor | None]] = []
+        while True:
+            asked = self.positions("state_after", step)
+            later = sorted(p for p in asked if p >= pos)
+            if not later:
+                self.segments.append((pos, s, state))
+                out, state = run(pos, s, state)
+                pieces.append(out)
+                return pieces, state
+            p = later[0]
+            self.segments.append((pos, p + 1, state))
+            out, state = run(pos, p + 1, state)
+            for name in self._names_at("state_after", step, p):
+                new = self.serve(name, state, step)
+                if new is not state:
+                    state = self._checked_state(new, query, "state_after")
+                    # token p reads the state it has just written
+                    out = out.clone()
+                    out[:, -1] = kernels.read_state(self.family, query[:, p], state, out.shape[2], l2)
+            pieces.append(out)
+            pos = p + 1
+            if pos >= s:
+                return pieces, state
+
+    def _state_shape(self, value: torch.Tensor) -> tuple[int, ...]:
+        return (value.shape[0], self.dims["heads"], self.dims["key_dim"], self.dims["value_dim"])
+
+    def _checked_state(self, new: Any, like: torch.Tensor, name: str) -> torch.Tensor:
+        shape = self._state_shape(like)
+        if not isinstance(new, torch.Tensor):
+            raise DeltaValueError(f"L{self.layer}.{name}: a write must be a tensor, got {type(new).__name__}")
+        if tuple(new.shape) != shape:
+            if new.dim() == 3 and tuple(new.shape) == shape[1:]:
+                new = new.unsqueeze(0).expand(shape)
+            else:
+                raise DeltaValueError(
+                    f"L{self.layer}.{name}: a write of shape {list(new.shape)} does not fit {list(shape)} "
+                    f"[batch, heads, key_dim, value_dim]")
+        if not new.is_floating_point():
+            raise DeltaValueError(f"L{self.layer}.{name}: a write must be floating point, got {new.dtype}")
+        return new.to(device=like.device, dtype=torch.float32)
+
+    def _check_shapes(self, *tensors: Any) -> None:
+        names = ("attention_queries", "attention_keys", "attention_values", "decays", "betas")
+        b, s = tensors[0].shape[:2]
+        for name, t in zip(names, tensors):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape[:2]) != (b, s):
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise DeltaValueError(f"L{self.layer}.{name}: a write of shape {got} does not fit [batch={b}, seq={s}, ...]")

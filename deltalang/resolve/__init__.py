@@ -1,0 +1,91 @@
+"""Check a parsed program against a model's shape and make it concrete: `resolve()`.
+
+The resolver answers every question that needs the model but not its weights
+(a `deltalang.spec.ModelSpec`): which blocks a selector covers, whether a value
+exists on each of them, which token a position means in each run's prompt,
+which run a `from` takes its value from, which token id `prob(" Paris")`
+measures. It reports ALL the errors of a file at once (a `DeltaErrors`, or a
+single `DeltaResolveError`), each pointing at its source.
+
+It never guesses silently. What cannot mean what was written is an error: a
+program with nothing to run; statements outside any run (the implicit trace
+`main`) with several prompts to choose from and neither --prompt nor a prompt
+named `main`; a measured answer that is several tokens, or that the tokenizer
+only knows as its unknown token (prob of `<unk>` is not prob of " Zürich").
+What runs but not exactly as written is a `DeltaWarning` on
+`Resolved.warnings`, naming the tokens chosen: a quoted position that cuts a
+token or lands on the unknown token, a prompt with words the tokenizer does not
+know (how many of how many), a `model "ID"` line other than the model it is
+checked against (the caller's --model or model= wins).
+
+Its output, `Resolved`, is the compiler's input: runs in source order, each with
+one `ResolvedOp` per block and every position a plain non-negative token index.
+Sweeps stay templates (ops whose block or position is a sweep variable) with
+their axes resolved; `ResolvedRun.points()` and `ResolvedRun.instantiate()`
+expand them.
+
+The package, in the order one resolution goes: `scope` (the names, prompts and
+errors one resolution collects, passed to every step), `declare` (the first
+pass: the model line, prompts, runs, `as` names), `runs` (each run's header
+and statements, measures), `sites` (selectors, values, positions), `sources`
+(what a write writes). The result types and naming rules are `deltalang.ir`'s;
+prompts become tokens in `deltalang.tokens`.
+"""
+
+from __future__ import annotations
+
+from .. import ast
+from ..errors import DeltaError, DeltaErrors
+from ..ir import Resolved, ResolvedRun
+from ..spec import ModelSpec
+from .declare import declare
+from .runs import Draft, implicit_run, resolve_main, resolve_run
+from .scope import Scope
+from .sources import finish_deferred
+
+__all__ = ["resolve"]
+
+
+def resolve(program: ast.Program, spec: ModelSpec, *, prompt_override: str | None = None,
+            source: str = "", filename: str = "<program>") -> Resolved:
+    """Check `program` against `spec` and make it concrete. Raises DeltaErrors / DeltaResolveError.
+
+    `prompt_override` is the prompt of the implicit run `main` (the CLI's --prompt);
+    `source` and `filename`, when given, locate the errors for rendering.
+    """
+    try:
+        return resolve_program(Scope(program, spec, prompt_override, source, filename))
+    except DeltaError as e:
+        raise (e.located(source, filename) if source else e) from None
+
+
+def resolve_program(scope: Scope) -> Resolved:
+    """Declare every name, resolve each run, then the `= NAME` sources; all the errors at once, or the runs
+    in source order (a prompt's implicit clean run where the prompt is declared)."""
+    declare(scope)
+    drafts: dict[int, list[Draft]] = {}
+    main_index = None
+    for i, item in enumerate(scope.program.items):
+        if isinstance(item, ast.RUN_TYPES):
+            d = resolve_run(scope, item)
+            if d is not None:
+                drafts[i] = [d]
+        elif isinstance(item, ast.STATEMENT_TYPES) and not isinstance(item, ast.Route) and main_index is None:
+            main_index = i
+    if main_index is not None:
+        d = resolve_main(scope)
+        if d is not None:
+            drafts.setdefault(main_index, []).append(d)
+    finish_deferred(scope)
+    runs: list[ResolvedRun] = []
+    for i, item in enumerate(scope.program.items):
+        if isinstance(item, ast.PromptDecl) and item.name in scope.implicit:
+            decl = scope.prompts[item.name]  # --prompt may have replaced `main`
+            if isinstance(decl, ast.PromptDecl):
+                runs.append(implicit_run(scope, decl))
+        runs.extend(d.build() for d in drafts.get(i, []))
+    if scope.errors:
+        errs = sorted(scope.errors, key=lambda e: (e.span.line, e.span.column) if e.span else (0, 0))
+        raise errs[0] if len(errs) == 1 else DeltaErrors(list(errs))
+    return Resolved(scope.model, dict(scope.prompt_texts), tuple(runs), scope.spec, scope.source, scope.filename,
+                    scope.sorted_warnings())

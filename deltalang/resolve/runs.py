@@ -1,0 +1,300 @@
+"""Runs: a trace, generate or sweep (or the implicit run `main`) resolved statement by statement.
+
+`resolve_run()` and `resolve_main()` check a run's header (its prompt,
+max_new_tokens, a sweep's axes) and resolve its body: `statement()` handles
+`step K:`, `route`, reads, writes and measures, in source order, into a
+`Draft` whose ops some `= NAME` sources still wait on; `Draft.build()` makes
+the final `ResolvedRun`. `implicit_run()` is the clean run of a prompt named
+in `from` or `kl`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator, Sequence
+
+import attrs
+
+from .. import ast, values
+from ..errors import Span
+from ..ir import (ResolvedMeasure, ResolvedOp, ResolvedRun, SweepAxis, measure_call_text, measure_result_name,
+                  op_result_name, site_text)
+from ..tokens import token_id
+from .scope import Ctx, Fail, Scope, Target, did_you_mean
+from .sites import expand, index, targets
+from .sources import NamedPending, run_target, write_source
+
+
+@attrs.define
+class Draft:
+    """A run being resolved: its header fields, and ops some of which wait for `= NAME`."""
+
+    head: ResolvedRun
+    ops: list[Any]
+    measures: list[ResolvedMeasure]
+
+    def build(self) -> ResolvedRun:
+        """The final run: failed ops dropped, repeated reads of one result kept once."""
+        seen: set[Any] = set()
+        ops: list[ResolvedOp] = []
+        for op in self.ops:
+            if op is None:
+                continue
+            if op.kind == "read":
+                key = (op.result_name, op.written, op.step)
+                if key in seen:
+                    continue
+                seen.add(key)
+            ops.append(op)
+        measures: list[ResolvedMeasure] = []
+        names: set[str] = set()
+        for m in self.measures:
+            if m.result_name not in names:
+                names.add(m.result_name)
+                measures.append(m)
+        return attrs.evolve(self.head, ops=tuple(ops), measures=tuple(measures))
+
+
+def prompt_for_run(scope: Scope, name: str, span: Span) -> str:
+    """The text of the prompt a run is on; errors for lists, runs, unknown names."""
+    p = scope.prompts.get(name)
+    if isinstance(p, ast.PromptDecl):
+        return p.text
+    if isinstance(p, ast.PromptListDecl):
+        scope.fail(f"'{name}' is a prompt list; a run is on one prompt (lists feed '= mean({name})')", span)
+    if name in scope.runs:
+        scope.fail(f"'{name}' is a run, not a prompt", span)
+    known = scope.prompt_names()
+    scope.fail(f"unknown prompt '{name}'" + did_you_mean(name, known), span,
+               notes=[f"the prompts: {', '.join(known)}" if known else f"declare it: prompt {name} = \"...\""])
+
+
+def header_span(scope: Scope, run: ast.Trace | ast.Generate | ast.Sweep) -> Span:
+    """The span of `on PROMPT` in a run's header when the source is known, else the header's."""
+    s = run.span
+    lines = scope.source.split("\n")
+    if 1 <= s.line <= len(lines):
+        m = re.compile(rf"\bon\s+({re.escape(run.prompt)})\b").search(lines[s.line - 1], s.column - 1)
+        if m is not None:
+            return Span(s.line, m.start(1) + 1, s.line, m.end(1) + 1)
+    return Span(s.line, s.column, s.line, s.column + len(ast.format_run_header(run)))
+
+
+def resolve_run(scope: Scope, run: ast.Trace | ast.Generate | ast.Sweep) -> Draft | None:
+    if scope.runs.get(run.name) is not run:
+        return None
+    hs = header_span(scope, run)
+    try:
+        text = prompt_for_run(scope, run.prompt, hs)
+    except Fail:
+        return None
+    toks = scope.tokens(text)
+    kind = {ast.Trace: "trace", ast.Generate: "generate", ast.Sweep: "sweep"}[type(run)]
+    max_new = run.max_new_tokens if isinstance(run, ast.Generate) else None
+    if max_new is not None and max_new < 1:
+        scope.error(f"generate makes at least one new token: max_new_tokens {max_new}", hs)
+        return None
+    ctx = Ctx(run.name, kind, run.prompt, toks, max_new, {})
+    axes: tuple[SweepAxis, ...] = ()
+    if isinstance(run, ast.Sweep):
+        axes = resolve_axes(scope, run, ctx)
+        ctx.axes = {a.var: a for a in axes}
+        ctx.broken = {a.var for a in run.axes} - set(ctx.axes)
+    ops, measures = resolve_body(scope, run.body, ctx)
+    for a in axes:
+        if a.var not in ctx.used:
+            scope.error(f"sweep variable '{a.var}' is never used in the body of '{run.name}'", a.span)
+    head = ResolvedRun(run.name, kind, run.prompt, text, toks.ids, toks.display, max_new, False,
+                       route=ctx.route or scope.global_route, axes=axes, span=run.span)
+    return Draft(head, ops, measures)
+
+
+def resolve_main(scope: Scope) -> Draft | None:
+    if scope.main_prompt is None:
+        return None
+    text = scope.prompt_texts[scope.main_prompt]
+    assert isinstance(text, str)
+    toks = scope.tokens(text)
+    ctx = Ctx("main", "trace", scope.main_prompt, toks, None, {})
+    ops, measures = resolve_body(scope, scope.main_items, ctx)
+    head = ResolvedRun("main", "trace", scope.main_prompt, text, toks.ids, toks.display, None, True,
+                       route=ctx.route or scope.global_route, span=scope.main_items[0].span)
+    return Draft(head, ops, measures)
+
+
+def implicit_run(scope: Scope, decl: ast.PromptDecl) -> ResolvedRun:
+    toks = scope.tokens(decl.text)
+    return ResolvedRun(decl.name, "trace", decl.name, decl.text, toks.ids, toks.display, None, True,
+                       (), (), scope.global_route, (), span=decl.span)
+
+
+def resolve_axes(scope: Scope, run: ast.Sweep, ctx: Ctx) -> tuple[SweepAxis, ...]:
+    out: list[SweepAxis] = []
+    seen: set[str] = set()
+    for axis in run.axes:
+        if axis.var in seen:
+            scope.error(f"sweep variable '{axis.var}' is bound twice", axis.span)
+            continue
+        seen.add(axis.var)
+        try:
+            out.append(resolve_axis(scope, axis, ctx, run.body))
+        except Fail:
+            pass
+    return tuple(out)
+
+
+def _values_of_block_var(body: Sequence[ast.Statement], var: str) -> set[str]:
+    """The catalogue values a sweep body reads or writes on the block variable `var`."""
+    return {node.value for node in ast.walk(tuple(body))
+            if isinstance(node, ast.Site) and isinstance(node.block, ast.BlockVar) and node.block.name == var
+            and node.value in values.CATALOGUE}
+
+
+def resolve_axis(scope: Scope, axis: ast.Axis, ctx: Ctx, body: Sequence[ast.Statement]) -> SweepAxis:
+    d = axis.domain
+    if isinstance(d, ast.Range):
+        if d.start >= d.stop:
+            scope.fail(f"the range {d.start}..{d.stop} is empty: ranges are half-open, {d.start}..{d.start + 1} "
+                       f"is just {d.start}", d.span)
+        labels = tuple(range(d.start, d.stop))
+        positions = []
+        for t in labels:
+            p = index(scope, t, ctx.toks, ctx.prompt, d.span, f"{axis.var} in {d.start}..{d.stop} reaches {t}: ")
+            positions.append(p)
+        return SweepAxis(axis.var, "position", tuple(positions), labels, span=axis.span)
+    if isinstance(d, ast.AllBlocks):  # L*: the blocks that have every value the body takes from it
+        wanted = _values_of_block_var(body, axis.var)
+        blocks = [i for i in range(scope.spec.num_layers)
+                  if all(scope.spec.unavailable(i, v) is None for v in wanted)]
+        if not blocks:
+            scope.fail(f"no block has all of {', '.join(sorted(wanted))}", axis.span)
+    else:
+        blocks = expand(scope, d, None, axis.span)
+    return SweepAxis(axis.var, "block", tuple(blocks), tuple(blocks), span=axis.span)
+
+
+# -- bodies --
+
+
+def resolve_body(scope: Scope, body: Sequence[ast.Statement], ctx: Ctx) -> tuple[list[Any], list[ResolvedMeasure]]:
+    """The ops and measures of a run's statements, in source order (`= NAME` sources pending)."""
+    ops: list[Any] = []
+    measures: list[ResolvedMeasure] = []
+    for st in body:
+        ctx.step = None
+        try:
+            statement(scope, st, ctx, ops, measures)
+        except Fail:
+            pass
+    return ops, measures
+
+
+def statement(scope: Scope, st: ast.Statement, ctx: Ctx, ops: list[Any], measures: list[ResolvedMeasure]) -> None:
+    """Resolve one statement of a run into `ops` and `measures`."""
+    if isinstance(st, ast.Step):
+        if ctx.kind != "generate":
+            scope.fail("'step' only works inside a generate block", st.span)
+        assert ctx.max_new_tokens is not None
+        if st.index < 0:
+            scope.fail(f"steps count from 0 (the prompt): step {st.index}", st.span)
+        if st.index >= ctx.max_new_tokens:
+            scope.fail(f"step {st.index} is past the run: '{ctx.name}' makes {ctx.max_new_tokens} new tokens, "
+                       f"so its steps are 0 (the prompt) to {ctx.max_new_tokens - 1}", st.span)
+        ctx.step = st.index
+        statement(scope, st.body, ctx, ops, measures)
+        return
+    if isinstance(st, ast.Route):
+        if ctx.route is not None and ctx.route != st.kernel:
+            scope.fail(f"'{ctx.name}' already routes '{ctx.route}'", st.span)
+        ctx.route = st.kernel
+        return
+    if isinstance(st, ast.Read):
+        for site in st.sites:
+            try:
+                for t in targets(scope, site, ctx, writing=False):
+                    ops.append(read_op(scope, t, st.alias, ctx, site.span))
+            except Fail:
+                pass
+        return
+    if isinstance(st, ast.Write):
+        for t, n, count in enumerate_targets(targets(scope, st.site, ctx, writing=True)):
+            src = write_source(scope, st.source, t, n, count, ctx)
+            op = ResolvedOp("write", t.layer, t.value, t.position, t.step, None, None, t.written,
+                            None, t.layer_var, t.position_var, span=st.span)
+            if isinstance(src, NamedPending):
+                ops.append(op)
+                scope.deferred.append((ops, len(ops) - 1, src))
+            else:
+                ops.append(attrs.evolve(op, source=src))
+        return
+    if isinstance(st, ast.Measure):
+        for call in st.calls:
+            try:
+                measures.extend(measure(scope, call, st.alias, ctx))
+            except Fail:
+                pass
+        return
+    raise TypeError(f"not a statement: {st!r}")
+
+
+def enumerate_targets(ts: list[Target]) -> Iterator[tuple[Target, int, int]]:
+    for n, t in enumerate(ts):
+        yield t, n, len(ts)
+
+
+def read_op(scope: Scope, t: Target, alias: str | None, ctx: Ctx, span: Span) -> ResolvedOp:
+    """A read of one target, named by DESIGN's rules; `as NAME` records what the name holds."""
+    name = op_result_name(ctx.name, t.step, t.layer, t.value,
+                          t.position if t.position_var is None else f"{{{t.position_var}}}",
+                          alias, t.multi, t.layer_var)
+    if alias is not None and alias in scope.aliases and scope.aliases[alias].run == ctx.name:
+        entry = scope.aliases[alias]
+        entry.entries[t.layer] = name
+        entry.value = t.value
+    return ResolvedOp("read", t.layer, t.value, t.position, t.step, name, None, t.written, alias,
+                      t.layer_var, t.position_var, span=span)
+
+
+# -- measures --
+
+
+def measure(scope: Scope, call: ast.MeasureCall, alias: str | None, ctx: Ctx) -> list[ResolvedMeasure]:
+    step = ctx.step
+    if isinstance(call, (ast.Prob, ast.Rank, ast.LogitDiff)):
+        texts = (call.a, call.b) if isinstance(call, ast.LogitDiff) else (call.token,)
+        ids = tuple(single_token(scope, s, call.span) for s in texts)
+        kind = {ast.Prob: "prob", ast.Rank: "rank", ast.LogitDiff: "logit_diff"}[type(call)]
+        text = measure_call_text(kind, texts, None, "")
+        name = measure_result_name(ctx.name, step, text, alias, None, False)
+        return [ResolvedMeasure(kind, name, step, ids, texts, written=text, alias=alias, span=call.span)]
+    if isinstance(call, ast.KL):
+        run, _, _ = run_target(scope, call.run, call.span, ctx, "kl")
+        text = f"kl({run})"
+        name = measure_result_name(ctx.name, step, text, alias, None, False)
+        return [ResolvedMeasure("kl", name, step, against=run, written=text, alias=alias, span=call.span)]
+    out = []
+    for t in targets(scope, call.site, ctx, writing=False):
+        pos_shown: Any = t.position if t.position_var is None else f"{{{t.position_var}}}"
+        text = f"norm({site_text(t.layer, t.value, pos_shown, t.layer_var)})"
+        name = measure_result_name(ctx.name, t.step, text, alias, t.layer, t.multi)
+        out.append(ResolvedMeasure("norm", name, t.step, layer=t.layer, value=t.value, position=t.position,
+                                   written=f"norm({t.written})", alias=alias, layer_var=t.layer_var,
+                                   position_var=t.position_var, span=call.span))
+    return out
+
+
+def single_token(scope: Scope, text: str, span: Span) -> int:
+    """The one token id `text` stands for; an error naming its pieces if it is several."""
+    if not text:
+        scope.fail("an empty string is no token", span)
+    ids = token_id(scope.spec, text)
+    if len(ids) == 1 and ids[0] == scope.unk:
+        unk = scope.spec.tokenizer.unk_token
+        scope.fail(f"{ast.quote(text)} is not in this model's vocabulary: the tokenizer reads it as {unk!r} "
+                   f"(token {ids[0]}), and a measure of {unk!r} is not one of {ast.quote(text)}", span)
+    if len(ids) == 1:
+        return ids[0]
+    pieces = " ".join(repr(t) for t in scope.spec.tokenizer.convert_ids_to_tokens(ids))
+    scope.fail(f"{ast.quote(text)} is {len(ids)} tokens for this model's tokenizer ({pieces}); a measure "
+               f"takes one token", span,
+               notes=[f"its first token alone is {ast.quote(scope.spec.tokenizer.decode(ids[:1]))}"] if ids else [])

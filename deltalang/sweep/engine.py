@@ -1,0 +1,267 @@
+"""Computing cells: the engine (fast path) and the reference (naive) path.
+
+Contract: `run_job` runs the given cells of one sweep and hands each finished
+chunk's ResultRows and results to `Context.emit`. The fast path groups cells by
+start position, each group sorted by start block, so cells share a forward as
+rows: at block i only the rows that start at or before i are computed, and the
+work is the sum over cells of (blocks from L) x (positions from t). A sweep the
+engine cannot serve (`SweepJob.blocker`, or `Unsupported` found once the model
+ran) runs through the naive path: cells batched as invokes of full forwards of
+the compiled program. Both lay their forwards out from all the sweep's cells,
+so a resumed sweep computes every cell bit for bit as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from .. import measures
+from ..ir import FromRun, Mean, ResolvedMeasure, Scale, Zeros
+from ..kernels import routed
+from ..model import DeltaModel
+from ..compiled import Experiment
+from .errors import Unsupported
+from .job import Cell, ResultRow, SweepJob, added_result_name, measure_label, start_of
+from .memory import chunks, waves
+from .recompute import Capture, Patch, Row, RowsOut, capture_clean, device_of, dtype_of, run_rows
+from .support import dependencies, referenced_runs, subprogram
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+@attrs.define
+class Context:
+    """What the cells of one run of `run_sweeps` share."""
+
+    exp: Experiment
+    support: dict[str, Any]
+    emit: Callable[[SweepJob, dict[int, list[ResultRow]], dict[str, Any]], None]
+
+
+def _fast_rows_plan(job: SweepJob, cells: Sequence[Cell]) -> dict[int, list[Cell]]:
+    """Cells by start position, each group sorted by start block (then cell order)."""
+    groups: dict[int, list[Cell]] = {}
+    for cell in cells:
+        starts = [start_of(op) for op in job.writes(cell)]
+        groups.setdefault(min(p for _, p in starts), []).append(cell)
+    for group in groups.values():
+        group.sort(key=lambda c: (min(start_of(op)[0] for op in job.writes(c)), c.index))
+    return dict(sorted(groups.items()))
+
+
+def _capture_reads(model: DeltaModel, job: SweepJob, groups: Mapping[int, Sequence[Cell]]
+                   ) -> tuple[int, dict[int, set[tuple[str, int | None]]]]:
+    """The first block any cell recomputes, and the values the clean forward must keep per DeltaNet block."""
+    linear = model.spec.linear_layers()
+    reads: dict[int, set[tuple[str, int | None]]] = {}
+    first = model.spec.num_layers
+    for start, group in groups.items():
+        lowest = min(min(start_of(op)[0] for op in job.writes(c)) for c in group)
+        first = min(first, lowest)
+        if start > 0:
+            for i in linear:
+                if i >= lowest:
+                    reads.setdefault(i, set()).update({("state_after", start - 1), ("conv_window_after", start - 1)})
+        for cell in group:
+            for op in job.writes(cell):
+                if isinstance(op.source, Scale):
+                    assert op.layer is not None
+                    reads.setdefault(op.layer, set()).add((op.value, op.position))
+    for m in job.run.measures:
+        if m.kind == "norm" and m.value == "state_output":
+            for cell in job.cells:
+                bound = cell.run.measures[job.run.measures.index(m)]
+                if bound.layer is not None:
+                    reads.setdefault(bound.layer, set()).add(("state_output", None))
+    return first, reads
+
+
+def _patches(ctx: Context, job: SweepJob, cell: Cell, cap: Capture) -> tuple[Patch, ...]:
+    """A cell's writes with the tensors they write (no batch axis)."""
+    model = ctx.exp.model
+    out = []
+    for op, key in zip(job.writes(cell), job.donor_keys[cell.index], strict=True):
+        assert op.layer is not None and op.position is not None
+        like = cap.values.get((op.value, op.layer, op.position))
+        src = op.source
+        if isinstance(src, Zeros):
+            tensor = torch.zeros(_shape(model, op.value), dtype=dtype_of(model, op.value), device=device_of(model))
+        elif isinstance(src, Scale):
+            assert like is not None
+            tensor = like[0] * src.factor
+        elif isinstance(src, FromRun):
+            tensor = ctx.support[str(key)][0]
+        elif isinstance(src, Mean):
+            tensor = torch.stack([ctx.support[k] for k in key]).mean(dim=0)[0]
+        else:  # pragma: no cover - fast_path_blocker refuses the rest
+            raise Unsupported(f"source {src!r}")
+        out.append(Patch(op.layer, op.value, op.position, tensor.to(device=device_of(model),
+                                                                     dtype=dtype_of(model, op.value))))
+    return tuple(out)
+
+
+def _shape(model: DeltaModel, value: str) -> tuple[int, ...]:
+    d = model.spec.dims
+    if value == "state_after":
+        return (d["heads"], d["key_dim"], d["value_dim"])
+    return (d["conv_dim"], d["conv_width"] - 1)
+
+
+def _logit_measure(m: ResolvedMeasure, logits: torch.Tensor, support: Mapping[str, Any],
+                   references: Mapping[str, str]) -> float:
+    """A prob/rank/logit_diff/kl measure of next-token logits `[1, vocab]` (or `[1, s, vocab]`)."""
+    reference = support[references[m.against or ""]] if m.kind == "kl" else None
+    return float(measures.evaluate(m.kind, logits, m.token_ids, reference))
+
+
+def _normalised_rows(ctx: Context, job: SweepJob, cell: Cell, values_: Mapping[str, float]) -> list[ResultRow]:
+    """(patched - corrupted) / (clean - corrupted) for each logit measure of the cell."""
+    if job.normalise is None:
+        return []
+    clean, corrupted = (ctx.support[k] for k in job.normalise)
+    out = []
+    for m in job.run.measures:
+        if m.kind not in measures.LOGIT_KINDS:
+            continue
+        label = measure_label(m)
+        refs = dict(job.reference_keys)
+        if m.kind == "kl" and m.against not in refs:
+            continue
+        c, k = _logit_measure(m, clean, ctx.support, refs), _logit_measure(m, corrupted, ctx.support, refs)
+        effect = (values_[label] - k) / (c - k) if c != k else math.nan
+        out.append(ResultRow(job.name, cell.index, cell.point, f"normalised({label})", None, effect))
+    return out
+
+
+def run_fast(ctx: Context, job: SweepJob, todo: Sequence[Cell], batch: int) -> None:
+    """The engine: one clean capture, then each group of cells recomputed from its start position.
+
+    The capture and the forwards' rows are laid out from all the sweep's cells, and a
+    forward runs if one of its cells is in `todo`: a resumed sweep computes every cell
+    exactly as an uninterrupted one (same kernel splits, same batches), bit for bit.
+    """
+    model = ctx.exp.model
+    wanted = {c.index for c in todo}
+    groups = _fast_rows_plan(job, job.cells)
+    with _routed(model, job.run.route):
+        for wave in waves(model, groups):
+            if not any(wanted.intersection(c.index for c in wave[start]) for start in wave):
+                continue
+            first, reads = _capture_reads(model, job, wave)
+            cap = capture_clean(model, job.run.prompt_text, first, reads)
+            outputs = sorted({i for i in model.spec.linear_layers()
+                              if ("state_output", None) in reads.get(i, set())})
+            for start, group in wave.items():
+                for chunk in chunks(group, batch):
+                    if wanted.intersection(c.index for c in chunk):
+                        _run_chunk(ctx, job, cap, chunk, start, outputs, wanted)
+
+
+def _run_chunk(ctx: Context, job: SweepJob, cap: Capture, chunk: Sequence[Cell], start: int,
+               outputs: Sequence[int], wanted: set[int]) -> None:
+    """One forward of a chunk of cells with the same start position; emits the wanted ones."""
+    rows = [Row(c, min(op.layer or 0 for op in job.writes(c)), start, _patches(ctx, job, c, cap)) for c in chunk]
+    with torch.no_grad():
+        got = run_rows(ctx.exp.model, cap, rows, start, outputs)
+    done: dict[int, list[ResultRow]] = {}
+    results: dict[str, Any] = {}
+    for n, row in enumerate(rows):
+        if row.cell.index in wanted:
+            done[row.cell.index] = _fast_cell_rows(ctx, job, row, n, got, cap, results)
+    ctx.emit(job, done, results)
+
+
+def _fast_cell_rows(ctx: Context, job: SweepJob, row: Row, n: int, got: RowsOut, cap: Capture,
+                    results: dict[str, Any]) -> list[ResultRow]:
+    cell = row.cell
+    logits = got.logits[n:n + 1].float()
+    out: list[ResultRow] = []
+    by_label: dict[str, float] = {}
+    for m, bound in zip(job.run.measures, cell.run.measures, strict=True):
+        if m.kind in measures.LOGIT_KINDS:
+            value = _logit_measure(bound, logits, ctx.support, job.reference_keys)
+        else:
+            value = float(measures.evaluate(bound.kind, _norm_input(bound, row, n, got, cap)[None]))
+        label = measure_label(m)
+        by_label[label] = value
+        results[bound.result_name] = value
+        out.append(ResultRow(job.name, cell.index, cell.point, label, None, value))
+    for r in _normalised_rows(ctx, job, cell, by_label):
+        results[added_result_name(cell, r.measure)] = r.value
+        out.append(r)
+    return out
+
+
+def _norm_input(m: ResolvedMeasure, row: Row, n: int, got: RowsOut, cap: Capture) -> torch.Tensor:
+    """The value a served norm measure reads: a written site's value, or a block's state_output."""
+    for p in row.patches:
+        if (p.layer, p.value, p.position) == (m.layer, m.value, m.position):
+            return p.tensor
+    assert m.value == "state_output" and m.layer is not None
+    final = got.state_outputs.get(m.layer)
+    if final is not None and m.layer >= row.start_block:
+        return final[n]
+    return cap.values[("state_output", m.layer, None)][0]
+
+
+def _routed(model: DeltaModel, route: str | None) -> Any:
+    """Route the model family's prompt kernel for a while (a sweep's `route torch`), then restore it."""
+    return nullcontext() if route is None else routed(model.family, route)
+
+
+def run_naive(ctx: Context, job: SweepJob, cells: Sequence[Cell], batch: int) -> None:
+    """The reference path: the `cells` as invokes of full forwards, `batch` per forward."""
+    exp = ctx.exp
+    deps = dependencies(exp.resolved, referenced_runs([job.run]))
+    wanted = {c.index for c in cells}
+    for chunk in chunks(job.cells, batch):  # laid out from all cells, as in run_fast
+        if not wanted.intersection(c.index for c in chunk):
+            continue
+        got = subprogram(exp, tuple(deps) + tuple(c.run for c in chunk)).run()
+        done: dict[int, list[ResultRow]] = {}
+        results: dict[str, Any] = {}
+        for cell in chunk:
+            if cell.index not in wanted:
+                continue
+            rows: list[ResultRow] = []
+            by_label: dict[str, float] = {}
+            for m, bound in zip(job.run.measures, cell.run.measures, strict=True):
+                value, label = got[bound.result_name], measure_label(m)
+                results[bound.result_name] = value
+                if isinstance(value, torch.Tensor):
+                    flat = value.detach().float().reshape(-1).tolist()
+                    rows.extend(ResultRow(job.name, cell.index, cell.point, label, p, v) for p, v in enumerate(flat))
+                else:
+                    by_label[label] = float(value)
+                    rows.append(ResultRow(job.name, cell.index, cell.point, label, None, float(value)))
+            for r in _normalised_rows(ctx, job, cell, by_label):
+                results[added_result_name(cell, r.measure)] = r.value
+                rows.append(r)
+            for op in cell.run.ops:
+                if op.kind == "read" and op.result_name in got:
+                    results[op.result_name] = got[op.result_name]
+            done[cell.index] = rows
+        ctx.emit(job, done, results)
+
+
+def run_job(ctx: Context, job: SweepJob, cells: Sequence[Cell], batch: int, finished: set[int],
+            console: Console | None) -> None:
+    """One sweep's cells: through the engine, or the naive path when the engine cannot serve them."""
+    if not cells:
+        return
+    if job.fast:
+        try:
+            run_fast(ctx, job, cells, batch)
+            return
+        except Unsupported as e:  # found only once the model ran
+            job.blocker = str(e)
+            if console is not None:
+                console.print(f"sweep {job.name}: the engine cannot serve it ({e}); naive path", highlight=False)
+    run_naive(ctx, job, [c for c in cells if c.index not in finished], batch)

@@ -1,0 +1,334 @@
+"""The engine's mechanism: one clean capture, then blocks L.. recomputed at positions t.. over a frozen prefix.
+
+A cell that writes block L at position t cannot change anything before block L,
+nor any position before t. `capture_clean` runs the clean prompt once, keeping
+the residual stream entering every block and each block's call arguments, the
+attention blocks' keys and values, and each DeltaNet block's state and
+convolution window after t-1 for every start position t asked. `run_rows`
+recomputes rows (cells) from their start block at positions start..: a
+transformers cache holds the clean prefix (`_prefix_cache`), block L is fed the
+clean residual entering it at t.., and each row's write is applied inside the
+kernel call by `MixerSite.direct` (positions in the call's own coordinates).
+The final norm and the LM head run at the last position only.
+
+Isolated here: the only sweep module touching transformers' cache internals and
+`model._module` (`device_of`, `dtype_of`, `decoder_config`, `weights_dtype`
+answer the others).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from .. import values
+from ..model import DeltaModel, decoder
+from .errors import Unsupported
+from .job import Cell
+
+
+@attrs.define
+class Capture:
+    """What one clean forward of the sweep's prompt leaves for the cells."""
+
+    seq_len: int
+    inputs: dict[int, torch.Tensor]  # block -> the residual stream entering it [1, s, hidden]
+    kwargs: dict[int, dict[str, Any]]  # block -> its call's keyword arguments (cache removed)
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention block -> the cache's keys, values
+    values: dict[tuple[str, int, int | None], torch.Tensor]  # (value, block, position) -> [1, ...]
+
+
+def capture_clean(model: DeltaModel, text: str, first_block: int, reads: Mapping[int, set[tuple[str, int | None]]]
+                  ) -> Capture:
+    """One clean forward of `text`: block inputs, call arguments, keys/values, and the asked values.
+
+    `reads`: DeltaNet block -> {(value, position)} with value one of state_after,
+    conv_window_after (a position) or state_output (None). Read through the value
+    layer in forward order; block inputs and arguments through forward pre-hooks.
+    """
+    from transformers import DynamicCache
+
+    hf = model._module
+    layers = decoder(hf).layers
+    inputs: dict[int, torch.Tensor] = {}
+    kwargs: dict[int, dict[str, Any]] = {}
+
+    def recorder(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, kw: dict) -> None:
+            inputs[i] = args[0] if args else kw["hidden_states"]
+            kwargs[i] = {k: v for k, v in kw.items() if k != "hidden_states"}
+        return hook
+
+    hooks = [layers[i].register_forward_pre_hook(recorder(i), with_kwargs=True)
+             for i in range(first_block, len(layers))]
+    cache = DynamicCache(config=hf.config)
+    saved: dict[tuple[str, int, int | None], Any] = {}
+    order = {"conv_window_after": 0, "state_after": 1, "state_output": 2}
+    try:
+        with torch.no_grad(), model.trace(text, cache=cache, use_cache=True):
+            for i in sorted(reads):
+                mixer = model.layers[i].linear_attn
+                for value, p in sorted(reads[i], key=lambda vp: (order[vp[0]], vp[1] or 0)):
+                    if value == "state_output":
+                        saved[(value, i, None)] = mixer.state_output.save()
+                    elif value == "state_after":
+                        saved[(value, i, p)] = mixer.state_after(p).save()
+                    else:
+                        saved[(value, i, p)] = mixer.conv_window_after(p).save()
+    finally:
+        for h in hooks:
+            h.remove()
+    kv = {}
+    for i in range(len(layers)):  # every attention block: masks are sized by the first one's cache
+        if model.spec.kind(i) == values.ATTENTION:
+            layer: Any = cache.layers[i]
+            if getattr(layer, "keys", None) is None:
+                raise Unsupported(f"block {i}'s cache holds no keys ({type(layer).__name__})")
+            kv[i] = (layer.keys, layer.values)
+    missing = [i for i in range(first_block, len(layers)) if i not in inputs or "cache" not in kwargs[i]]
+    if missing:
+        raise Unsupported(f"blocks {missing} were not called with a cache")
+    seq_len = int(next(iter(inputs.values())).shape[1])
+    return Capture(seq_len, inputs, kwargs, kv, {k: v for k, v in saved.items()})
+
+
+class _FrozenAttention:
+    """Builds an attention block's cache layer holding the clean prefix's keys and values."""
+
+    @staticmethod
+    def make(keys: torch.Tensor, vals: torch.Tensor, rows: int) -> Any:
+        from transformers.cache_utils import DynamicLayer
+
+        class FrozenAttentionLayer(DynamicLayer):
+            """The prefix's keys/values for `rows` rows; a call attends to them and its own, and stores nothing."""
+
+            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                       **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                keys: Any = self.keys
+                vals: Any = self.values
+                return torch.cat([keys, key_states], dim=-2), torch.cat([vals, value_states], dim=-2)
+
+        layer: Any = FrozenAttentionLayer()
+        layer.keys = keys.expand(rows, *keys.shape[1:])
+        layer.values = vals.expand(rows, *vals.shape[1:])
+        layer.is_initialized = True
+        layer.device = keys.device
+        return layer
+
+
+class _FrozenLinear:
+    """Builds a DeltaNet block's cache layer holding the state and conv window after the prefix."""
+
+    @staticmethod
+    def make(window: torch.Tensor | None, state: torch.Tensor | None, width: int, rows: int) -> Any:
+        from transformers.cache_utils import LinearAttentionLayer
+
+        class FrozenLinearLayer(LinearAttentionLayer):
+            """State and window after the prefix; records the call's final state instead of storing it."""
+
+            final: torch.Tensor | None = None
+
+            def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0,
+                                  conv_kernel_size: int | None = None, **kw: Any) -> torch.Tensor:
+                if not self.has_previous_state[state_idx]:
+                    short = width - conv_states.shape[-1]
+                    return torch.nn.functional.pad(conv_states, (short, 0)) if short > 0 else conv_states
+                cached: Any = self.conv_states[state_idx]
+                return torch.cat([cached, conv_states], dim=-1)
+
+            def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
+                                       **kw: Any) -> torch.Tensor:
+                self.final = recurrent_states
+                return recurrent_states
+
+        layer: Any = FrozenLinearLayer()
+        layer.conv_kernel_size[0] = width
+        if window is not None and state is not None:
+            # the cache keeps `width` columns; the first is never read by a continuation
+            conv = torch.cat([torch.zeros_like(window[..., :1]), window], dim=-1)
+            layer.conv_states[0] = conv.expand(rows, *conv.shape[1:]).clone()  # a decode step updates it in place
+            layer.recurrent_states[0] = state.expand(rows, *state.shape[1:])
+            layer.has_previous_state[0] = True
+            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+            layer.device, layer.dtype = window.device, window.dtype
+        return layer
+
+
+def _prefix_cache(model: DeltaModel, cap: Capture, start: int) -> Any:
+    """A transformers cache of the clean prefix [0, start), one row per block (resized per call)."""
+    from transformers.cache_utils import Cache
+
+    layers: list[Any] = []
+    width = model.spec.dims.get("conv_width", 4)
+    for i in range(model.spec.num_layers):
+        if model.spec.kind(i) == values.ATTENTION:
+            keys, vals = cap.kv[i]
+            layers.append(_FrozenAttention.make(keys[..., :start, :], vals[..., :start, :], 1))
+        else:
+            layers.append(_prefix_linear(cap, i, start, width, 1))
+    return Cache(layers=layers)
+
+
+def _prefix_linear(cap: Capture, i: int, start: int, width: int, rows: int) -> Any:
+    if start == 0 or ("state_after", i, start - 1) not in cap.values:
+        return _FrozenLinear.make(None, None, width, rows)
+    return _FrozenLinear.make(cap.values[("conv_window_after", i, start - 1)][0:1],
+                              cap.values[("state_after", i, start - 1)][0:1], width, rows)
+
+
+def _resize(model: DeltaModel, cache: Any, cap: Capture, i: int, start: int, rows: int) -> None:
+    """Give block i's cache layer `rows` rows."""
+    if model.spec.kind(i) == values.ATTENTION:
+        keys, vals = cap.kv[i]
+        cache.layers[i] = _FrozenAttention.make(keys[..., :start, :], vals[..., :start, :], rows)
+    else:
+        cache.layers[i] = _prefix_linear(cap, i, start, model.spec.dims.get("conv_width", 4), rows)
+
+
+def _masks(model: DeltaModel, cap: Capture, cache: Any, start: int) -> dict[str, Any]:
+    """The attention masks of a continuation from `start`, per layer type, as the model makes them."""
+    from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
+
+    hf = model._module
+    config = decoder(hf).config
+    some = next(iter(cap.inputs.values()))
+    dummy = torch.empty(1, cap.seq_len - start, some.shape[-1], dtype=some.dtype, device=some.device)
+    positions = torch.arange(start, cap.seq_len, device=some.device)[None]
+    out: dict[str, Any] = {}
+    for kind in set(model.spec.layer_types):
+        if kind == "full_attention":
+            out[kind] = create_causal_mask(config=config, inputs_embeds=dummy, attention_mask=None, cache=cache,
+                                           position_ids=positions)
+        elif kind == "linear_attention":
+            out[kind] = create_recurrent_attention_mask(config=config, inputs_embeds=dummy, attention_mask=None,
+                                                        cache=cache)
+        else:
+            raise Unsupported(f"layer type {kind!r}")
+    return out
+
+
+def _call_kwargs(kw: Mapping[str, Any], start: int, cache: Any, mask: Any) -> dict[str, Any]:
+    """A block's clean call arguments, cut to positions start.. of a continuation over `cache`."""
+    out = dict(kw)
+    out["cache"] = cache
+    if "attention_mask" in out:
+        out["attention_mask"] = mask
+    pe = out.get("position_embeddings")
+    if pe is not None:
+        out["position_embeddings"] = tuple(x[..., start:, :] for x in pe)
+    pid = out.get("position_ids")
+    if isinstance(pid, torch.Tensor):
+        out["position_ids"] = pid[..., start:]
+    return out
+
+
+@attrs.frozen
+class Patch:
+    """One write of a cell, made concrete: block, value, position and the tensor written (no batch axis)."""
+
+    layer: int
+    value: str
+    position: int
+    tensor: torch.Tensor = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Row:
+    """A cell as the engine computes it: from `start_block` on, at positions from `start`."""
+
+    cell: Cell
+    start_block: int
+    start: int
+    patches: tuple[Patch, ...]
+
+
+@attrs.frozen
+class RowsOut:
+    """What one forward of rows gives: next-token logits and the state_output of asked blocks."""
+
+    logits: torch.Tensor  # [rows, vocab]
+    state_outputs: dict[int, torch.Tensor]  # block -> [rows, heads, key_dim, value_dim]
+
+
+def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
+             state_outputs: Iterable[int] = ()) -> RowsOut:
+    """Recompute blocks from each row's start block at positions start.., the rows' writes applied.
+
+    `rows` are sorted by start block: at block i the rows starting at or before i
+    (a prefix of the batch) are computed; the others still hold the clean stream.
+    """
+    hf = model._module
+    dec = decoder(hf)
+    starts = [r.start_block for r in rows]
+    assert starts == sorted(starts), "rows must be sorted by start block"
+    cache = _prefix_cache(model, cap, start)
+    masks = _masks(model, cap, cache, start)
+    want = set(state_outputs)
+    finals: dict[int, torch.Tensor] = {}
+    h: torch.Tensor | None = None
+    for i in range(starts[0], model.spec.num_layers):
+        k = bisect.bisect_right(starts, i)
+        have = 0 if h is None else h.shape[0]
+        if k > have:
+            fresh = cap.inputs[i][:, start:].expand(k - have, -1, -1)
+            h = fresh if h is None else torch.cat([h, fresh], dim=0)
+        assert h is not None
+        _resize(model, cache, cap, i, start, k)
+        site = _site(model, i)
+        if site is not None:
+            site.direct = _direct_writes(rows[:k], i, start)
+        try:
+            out = dec.layers[i](h, **_call_kwargs(cap.kwargs[i], start, cache, masks[model.spec.layer_types[i]]))
+        finally:
+            if site is not None:
+                site.direct = {}
+        h = out[0] if isinstance(out, tuple) else out
+        final = getattr(cache.layers[i], "final", None) if i in want else None
+        if final is not None:
+            finals[i] = final
+    assert h is not None
+    logits = hf.get_output_embeddings()(dec.norm(h[:, -1:]))[:, -1]
+    return RowsOut(logits, finals)
+
+
+def _site(model: DeltaModel, i: int) -> Any:
+    if model.spec.kind(i) != values.DELTANET:
+        return None
+    mixer = getattr(decoder(model._module).layers[i], model.family.mixer_attr)
+    return getattr(mixer, "_deltalang_site", None)
+
+
+def _direct_writes(rows: Sequence[Row], layer: int, start: int) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    """The writes rows make at `layer`, keyed (value, position in the call) -> (row indices, values)."""
+    by_site: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
+    for n, row in enumerate(rows):
+        for p in row.patches:
+            if p.layer == layer:
+                by_site.setdefault((p.value, p.position - start), []).append((n, p.tensor))
+    out = {}
+    for key, items in by_site.items():
+        idx = torch.tensor([n for n, _ in items], dtype=torch.long, device=items[0][1].device)
+        out[key] = (idx, torch.stack([t for _, t in items]))
+    return out
+
+
+def device_of(model: DeltaModel) -> torch.device:
+    return next(model._module.parameters()).device
+
+
+def dtype_of(model: DeltaModel, value: str) -> torch.dtype:
+    return torch.float32 if value == "state_after" else model._module.dtype
+
+
+def weights_dtype(model: DeltaModel) -> torch.dtype:
+    """The dtype the transformers model holds its weights in."""
+    return model._module.dtype
+
+
+def decoder_config(model: DeltaModel) -> Any:
+    """The decoder stack's config (`hidden_size`, `vocab_size`, ...)."""
+    return decoder(model._module).config

@@ -1,0 +1,113 @@
+"""A sweep's results as a table: `SweepTable` (grids, per-token curves, labels) and its terminal rendering.
+
+Contract: `SweepTable` holds a sweep's axes, its prompt's tokens and every
+ResultRow, for the terminal tables (`render_tables`), the CSV and the plots.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from ..ir import ResolvedRun, SweepAxis
+from ..model import DeltaModel
+from .job import ResultRow
+from .store import CSV_NAME
+
+
+@attrs.define
+class SweepTable:
+    """A sweep's results: its axes, tokens and every value, for tables, CSV and plots."""
+
+    name: str
+    axes: tuple[SweepAxis, ...]
+    tokens: tuple[str, ...]  # the prompt's tokens, as text
+    measures: list[str]
+    rows: list[ResultRow] = attrs.Factory(list)
+
+    def grid(self, measure: str) -> dict[tuple[int, ...], float]:
+        """{axis values: value} of a scalar measure."""
+        return {tuple(v for _, v in r.point): r.value for r in self.rows
+                if r.measure == measure and r.position is None}
+
+    def curves(self, measure: str) -> dict[tuple[int, ...], list[float]]:
+        """{axis values: per-token values} of a per-token measure."""
+        out: dict[tuple[int, ...], dict[int, float]] = {}
+        for r in self.rows:
+            if r.measure == measure and r.position is not None:
+                out.setdefault(tuple(v for _, v in r.point), {})[r.position] = r.value
+        return {k: [v[p] for p in sorted(v)] for k, v in out.items()}
+
+    def per_token(self, measure: str) -> bool:
+        return any(r.measure == measure and r.position is not None for r in self.rows)
+
+    def label(self, axis: SweepAxis, value: int) -> str:
+        """`L3` for a block, `5 ␣Tower` for a position."""
+        if axis.kind == "block":
+            return f"L{value}"
+        tok = self.tokens[value] if 0 <= value < len(self.tokens) else "?"
+        return f"{value} {tok}"
+
+
+def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
+    """Each token of the run's prompt as text, spaces shown as '␣'."""
+    tok = model.tokenizer
+    return tuple((tok.decode([i]) or "?").replace(" ", "␣").replace("\n", "⏎") for i in run.token_ids)
+
+
+def _fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.3g}"
+
+
+def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
+    """Rich tables of a sweep: a grid per measure for two axes, one table for one axis, else a long list."""
+    from rich.table import Table
+
+    measures_ = list(dict.fromkeys(r.measure for r in table.rows if r.position is None))
+    out: list[Any] = []
+    axes = table.axes
+    if not measures_:
+        pass
+    elif len(axes) == 2:
+        a, b = axes
+        if len(b.values) > len(a.values):  # the longer axis down the rows, so the table fits
+            a, b = b, a
+        ia = [x.var for x in axes].index(a.var)
+        for m in measures_:
+            grid = table.grid(m)
+            t = Table(title=f"{table.name}: {m}", title_justify="left")
+            t.add_column(f"{a.var} \\ {b.var}")
+            for v in b.values:
+                t.add_column(table.label(b, v), justify="right")
+            for u in a.values:
+                keys = [(u, v) if ia == 0 else (v, u) for v in b.values]
+                t.add_row(table.label(a, u), *(_fmt(grid[k]) if k in grid else "" for k in keys))
+            out.append(t)
+    elif len(axes) == 1:
+        (a,) = axes
+        t = Table(title=table.name, title_justify="left")
+        t.add_column(a.var)
+        for m in measures_:
+            t.add_column(m, justify="right")
+        grids = [table.grid(m) for m in measures_]
+        for u in a.values:
+            t.add_row(table.label(a, u), *(_fmt(g[(u,)]) if (u,) in g else "" for g in grids))
+        out.append(t)
+    else:
+        t = Table(title=table.name, title_justify="left")
+        for a in axes:
+            t.add_column(a.var)
+        t.add_column("measure")
+        t.add_column("value", justify="right")
+        shown = [r for r in table.rows if r.position is None]
+        for r in shown[:limit]:
+            t.add_row(*(table.label(a, v) for a, (_, v) in zip(axes, r.point)), r.measure, _fmt(r.value))
+        if len(shown) > limit:
+            t.caption = f"first {limit} of {len(shown)} rows; all in {CSV_NAME}"
+        out.append(t)
+    per_token = list(dict.fromkeys(r.measure for r in table.rows if r.position is not None))
+    if per_token:
+        out.append(f"{table.name}: per-token measure(s) {', '.join(per_token)}: see {CSV_NAME} and the plots")
+    return out
