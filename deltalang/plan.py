@@ -9,8 +9,17 @@ The planner makes three decisions, each a small function below:
    the run that uses its value; a cycle is an error naming the statements in
    it; `nx.topological_generations` groups the runs into stages whose members
    need nothing of each other.
-3. `batch_stage` — the traces of a stage with the same kernel route share one
-   forward (one nnsight invoke each); each generate gets its own.
+3. `batch_stage` — the traces of a stage with the same kernel route and the
+   same number of tokens share one forward (one nnsight invoke each); each
+   generate gets its own.
+
+Batching never changes a result: runs of different lengths never share a
+forward, so no run is ever left-padded and every value (per-token reads,
+positions, donors' values) is the run's own, as if it ran alone. (Transformers'
+own left-padded forward matches each row alone to float32 noise on all five
+families, but the model-level per-token values — `output`, `attention_output`,
+`logits` — would come back at the padded length and per-token writes would need
+re-padding; grouping by length is exact without either.)
 
 Steps of a generate: a statement without `step K:` applies at every step, a
 read and a measure as much as a write (one per step, named `RUN.step<k>...`).
@@ -88,6 +97,7 @@ class RunPlan:
     route: str | None = None
     implicit: bool = False
     why: str = ""  # for implicit runs: what needs them
+    n_tokens: int = 0  # the prompt's tokens: only runs of one length share a forward
 
 
 @attrs.frozen
@@ -301,8 +311,9 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
                     name = f"mean({','.join(src.prompts)})[{i}]#{mean_runs}"
                     mean_runs += 1
                     pos = src.positions[i] if src.positions is not None else None
-                    meta[name] = ResolvedRun(name=name, kind="trace", prompt=name, prompt_text=text, token_ids=(),
-                                             tokens=(), implicit=True)
+                    meta[name] = ResolvedRun(name=name, kind="trace", prompt=name, prompt_text=text,
+                                             token_ids=tuple(resolved.spec.token_ids(text)), tokens=(),
+                                             implicit=True)
                     ops[name] = []
                     implicit_why[name] = f"mean({', '.join(src.prompts)}) for {r.name}"
                     inputs.append(add_donor(name, op.layer, op.value, pos, None, r.name, op))
@@ -318,7 +329,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
         plans[name] = RunPlan(name=r.name, kind=r.kind, prompt=r.prompt, prompt_text=r.prompt_text,
                               ops=tuple(sort_ops(mark_states_as_run(ops[name]))),
                               max_new_tokens=r.max_new_tokens, route=r.route, implicit=r.implicit,
-                              why=implicit_why.get(name, ""))
+                              why=implicit_why.get(name, ""), n_tokens=len(r.token_ids))
     return plans, edges, combines, measures, measure_inputs
 
 
@@ -397,14 +408,17 @@ def order_runs(plans: dict[str, RunPlan], edges: list[tuple[str, str, Any]],
 
 
 def batch_stage(stage: list[RunPlan], batch: bool = True) -> list[list[RunPlan]]:
-    """Traces of one stage with one route share a forward; each generate runs alone."""
+    """Traces of one stage with one route and one token length share a forward; each generate runs alone.
+
+    Same length: no run of a shared forward is padded, so each value is the run's own (see the module doc).
+    """
     groups: list[list[RunPlan]] = []
-    traces: dict[str | None, list[RunPlan]] = {}
+    traces: dict[tuple[str | None, int], list[RunPlan]] = {}
     for run in stage:
         if run.kind == "generate" or not batch:
             groups.append([run])
         else:
-            traces.setdefault(run.route, []).append(run)
+            traces.setdefault((run.route, run.n_tokens), []).append(run)
     return [g for g in traces.values()] + groups
 
 

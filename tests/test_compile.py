@@ -256,22 +256,31 @@ def test_permuting_statements_gives_identical_results(model: deltalang.DeltaMode
 # ---------------------------------------------------------------------------
 
 
-def test_batched_runs_equal_unbatched(model: deltalang.DeltaModel) -> None:
-    # NOTE: this compares deltalang with itself (batched vs unbatched), not with transformers; it is
-    # rewritten against transformers' cache with the padding fix in the datasets issue.
+def test_batched_runs_equal_transformers_and_share_forwards_by_length(model: deltalang.DeltaModel,
+                                                                      ref: Reference) -> None:
+    """Runs of one length share a forward; runs of another length get their own (never left-padded), and
+    every value equals transformers on the prompt alone. (tests/test_batching.py: all families, writes.)"""
+    same = "The Eiffel Tower is at"  # as many tokens as CLEAN
     source = f'''
 prompt a = "{CLEAN}"
 prompt b = "{OTHER}"
 prompt c = "Tea"
-trace ta on a {{ read L0.state_after(3), L1.attention_values, L2.states; read next_token_probs }}
-trace tb on b {{ read L0.state_after(3), L1.attention_values, L2.states; read next_token_probs }}
-trace tc on c {{ read L0.state_after(1), L1.attention_values, L2.states; read next_token_probs }}
+prompt d = "{same}"
+trace ta on a {{ read L0.state_after(3), L1.attention_values, L2.states, L0.output; read logits }}
+trace tb on b {{ read L0.state_after(3), L1.attention_values, L2.states, L0.output; read logits }}
+trace tc on c {{ read L0.state_after(1), L1.attention_values, L2.states, L0.output; read logits }}
+trace td on d {{ read L0.state_after(3), L1.attention_values, L2.states, L0.output; read logits }}
 '''
-    batched = deltalang.compile(source, model)
-    assert len(batched.plan.passes) == 1 and len(batched.plan.passes[0].runs) == 3
-    one, many = batched.run(), deltalang.run(source, model, batch=False)
-    for key in one:
-        assert _same(one[key], many[key], atol=1e-5), key
+    exp = deltalang.compile(source, model)
+    assert [[r.name for r in p.runs] for p in exp.plan.passes] == [["ta", "td"], ["tb"], ["tc"]]
+    got = exp.run()
+    for run, text, pos in (("ta", CLEAN, 3), ("tb", OTHER, 3), ("tc", "Tea", 1), ("td", same, 3)):
+        rec = ref.run(model.tokenizer(text, return_tensors="pt").input_ids)
+        want = {f"L0.state_after({pos})": rec.value(0, "state_after", pos),
+                "L1.attention_values": rec.value(1, "attention_values"), "L2.states": rec.value(2, "states"),
+                "L0.output": rec.value(0, "output"), "logits": rec.value(None, "logits")}
+        for key, value in want.items():
+            assert _same(got[f"{run}.{key}"], value, atol=1e-4), (run, key)
 
 
 # ---------------------------------------------------------------------------

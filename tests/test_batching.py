@@ -1,0 +1,139 @@
+"""Batching never changes a result: runs of different lengths in one program, on every family, against transformers.
+
+Each prompt's truth is `tests/reference.py` run on that prompt alone (transformers
+over its own cache, token by token), so every value below is compared with the run
+alone as transformers computes it, never with deltalang's own output. The programs
+mix prompts of several lengths (one shorter than the convolution window) in each
+stage, the case where a shared forward would have left-padded some runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from reference import Record, Reference, Write, set_to
+from transformers import AutoModelForCausalLM
+
+import deltalang
+from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+
+LONG = "The Eiffel Tower is in Paris"
+MID = "Tea time"  # MID and SAME have one length, so they may share a forward
+SAME = "Big cats"
+TINY = "Hi"  # fewer tokens than the convolution window
+HEADER = f'prompt long = "{LONG}"\nprompt mid = "{MID}"\nprompt same = "{SAME}"\nprompt tiny = "{TINY}"\n'
+PER_TOKEN = ("output", "attention_output", "attention_values", "attention_head_outputs")
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def loaded(request: pytest.FixtureRequest) -> tuple[deltalang.DeltaModel, Reference]:
+    path = tiny_checkpoint(request.param)
+    return deltalang.load_model(path), Reference(AutoModelForCausalLM.from_pretrained(path).eval())
+
+
+def _ids(model: deltalang.DeltaModel, text: str) -> torch.Tensor:
+    return model.tokenizer(text, return_tensors="pt").input_ids
+
+
+def _close(got: Any, want: Any, what: str, atol: float = 1e-5) -> None:
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape, (what, getattr(got, "shape", got), want.shape)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _lengths(model: deltalang.DeltaModel, plan: Any) -> list[set[int]]:
+    texts = {"long": LONG, "mid": MID, "same": SAME, "tiny": TINY}
+    return [{_ids(model, texts[r.prompt]).shape[1] for r in p.runs if r.prompt in texts} for p in plan.passes]
+
+
+def test_reads_of_runs_of_different_lengths_equal_each_run_alone(loaded: tuple) -> None:
+    model, ref = loaded
+    a, b = model.linear_layers()[0], model.linear_layers()[-1]
+    reads = (f"L{a}.output, L{a}.attention_output, L{a}.attention_values, L{b}.attention_head_outputs, "
+             f"L{a}.states, L{b}.state_output, logits, next_token_probs")
+    source = HEADER + "".join(
+        f"trace t_{p} on {p} {{ read {reads}; read L{a}.state_after({pos}), L{b}.conv_window_after({pos}) }}\n"
+        for p, pos in (("long", 20), ("mid", 5), ("same", 5), ("tiny", 0)))
+    exp = deltalang.compile(source, model)
+    lengths = _lengths(model, exp.plan)
+    assert all(len(n) == 1 for n in lengths), lengths  # no forward mixes lengths ...
+    assert any(len(p.runs) == 2 for p in exp.plan.passes)  # ... and runs of one length still share one
+    got = exp.run()
+    for p, text, pos in (("long", LONG, 20), ("mid", MID, 5), ("same", SAME, 5), ("tiny", TINY, 0)):
+        rec = ref.run(_ids(model, text))
+        for layer, value in ((a, "output"), (a, "attention_output"), (a, "attention_values"),
+                             (b, "attention_head_outputs"), (a, "states"), (b, "state_output")):
+            _close(got[f"t_{p}.L{layer}.{value}"], rec.value(layer, value), f"{p} L{layer}.{value}")
+        _close(got[f"t_{p}.logits"], rec.value(None, "logits"), f"{p} logits", atol=1e-4)
+        _close(got[f"t_{p}.next_token_probs"], rec.value(None, "next_token_probs"), f"{p} next_token_probs")
+        _close(got[f"t_{p}.L{a}.state_after({pos})"], rec.value(a, "state_after", pos), f"{p} state_after")
+        _close(got[f"t_{p}.L{b}.conv_window_after({pos})"], rec.value(b, "conv_window_after", pos),
+               f"{p} conv_window_after")
+
+
+def test_writes_from_donors_of_another_length_equal_transformers(loaded: tuple) -> None:
+    """Donors run in a stage with a run of another length; the patched runs share a stage with one too."""
+    model, ref = loaded
+    a, b = model.linear_layers()[0], model.linear_layers()[-1]
+    source = HEADER + f"""
+trace d_long on long {{ read L{a}.output }}
+trace d_mid on mid {{ read L{a}.output }}
+trace x on same {{
+    write L{a}.attention_values from d_mid
+    write L{b}.attention_output from d_mid
+    write L{b}.state_after(3) from d_long.state_after(20)
+    write L{a}.conv_window_after(2) from d_long.conv_window_after(9)
+    read logits, L{b}.states, L{a}.attention_output
+}}
+trace y on long {{
+    write L{a}.attention_output from d_long
+    write L{b}.state_after(20) from d_mid.state_after(6)
+    read logits, L{b}.states
+}}
+trace z on tiny {{ write L{b}.conv_window_after(0) from d_mid.conv_window_after(7); read logits }}
+"""
+    exp = deltalang.compile(source, model)
+    assert all(len(n) == 1 for n in _lengths(model, exp.plan))
+    got = exp.run()
+    long_, mid = ref.run(_ids(model, LONG)), ref.run(_ids(model, MID))
+    x = ref.run(_ids(model, SAME), [
+        Write(a, "attention_values", lambda v, i: mid.value(a, "attention_values")[:, i:i + 1]),
+        Write(b, "attention_output", lambda v, i: mid.value(b, "attention_output")[:, i:i + 1]),
+        Write(b, "state_after", set_to(long_.value(b, "state_after", 20)), position=3),
+        Write(a, "conv_window_after", set_to(long_.value(a, "conv_window_after", 9)), position=2)])
+    y = ref.run(_ids(model, LONG), [
+        Write(a, "attention_output", lambda v, i: long_.value(a, "attention_output")[:, i:i + 1]),
+        Write(b, "state_after", set_to(mid.value(b, "state_after", 6)), position=20)])
+    z = ref.run(_ids(model, TINY), [Write(b, "conv_window_after", set_to(mid.value(b, "conv_window_after", 7)),
+                                          position=0)])
+    for run, rec in (("x", x), ("y", y), ("z", z)):
+        _close(got[f"{run}.logits"], rec.value(None, "logits"), f"{run} logits", atol=1e-4)
+    _close(got[f"x.L{b}.states"], x.value(b, "states"), "x states")
+    _close(got[f"x.L{a}.attention_output"], x.value(a, "attention_output"), "x attention_output")
+    _close(got[f"y.L{b}.states"], y.value(b, "states"), "y states")
+    clean = ref.run(_ids(model, TINY))  # the writes change something, so the comparisons can fail
+    assert not torch.allclose(z.value(None, "logits"), clean.value(None, "logits"), atol=1e-4)
+
+
+def test_state_input_at_a_decode_step_from_a_donor_of_another_length(loaded: tuple) -> None:
+    model, ref = loaded
+    b = model.linear_layers()[-1]
+    source = HEADER + f"""
+trace d_long on long {{ read L{b}.state_output }}
+trace d_tiny on tiny {{ read logits }}
+generate g on mid max_new_tokens 3 {{
+    step 1: write L[linear].state_input from d_long.state_output
+    step 2: write L{b}.state_input from d_tiny.state_output
+    read tokens
+    step 2: read logits
+}}
+"""
+    got = deltalang.run(source, model)
+    long_, tiny = ref.run(_ids(model, LONG)), ref.run(_ids(model, TINY))
+    writes = [Write(i, "state_input", set_to(long_.value(i, "state_output")), step=1) for i in ref.linear]
+    writes.append(Write(b, "state_input", set_to(tiny.value(b, "state_output")), step=2))
+    rec: Record = ref.run(_ids(model, MID), writes, max_new_tokens=3)
+    assert got["g.tokens"].tolist() == rec.new_tokens.tolist()
+    _close(got["g.step2.logits"], rec.value(None, "logits", step=2), "g step 2 logits", atol=1e-4)
+    _close(got[f"d_long.L{b}.state_output"], long_.value(b, "state_output"), "d_long state_output")
