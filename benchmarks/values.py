@@ -1,13 +1,17 @@
-"""The value layer's cost: patching the state after token t on all 18 DeltaNet blocks.
+"""The value layer's cost: patching the state after token t, and reading `states`, on all 18 DeltaNet blocks.
 
 Side by side, in one run, on a random model with Qwen3.5-0.8B's shapes:
   plain          transformers' forward
   nnsight/final  hand-written nnsight reading all 18 final states (`.source` on the kernel call)
   split          deltalang: set_state_after(t) on all 18 blocks, by splitting the chunked kernel
   token          the same through the token-by-token route (route_kernels(family, "torch"))
-Target: split within 1.3x of plain at 512 tokens.
+  states         deltalang: `states` (the state after every token) on all 18 blocks, each reduced
+                 to its per-token norm inside the trace (`kernels.per_token`: chunked)
+  states/loop    the same through the token-by-token loop (`kernels.per_token_loop`), the old way
+Targets at 512 tokens: split within 1.3x of plain, states within 1.5x. Beside each time, the peak
+resident memory above the process's resting size while the case ran (sampled every 2 ms).
 
-    python benchmarks/values.py [--repeat 3] [--lengths 64 512]
+    python benchmarks/values.py [--repeat 3] [--lengths 64 512] [--cases plain states ...]
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -23,13 +30,42 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for  # noqa: E402
 
 import deltalang  # noqa: E402
+from deltalang import kernels  # noqa: E402
 from deltalang.model import wrap_model  # noqa: E402
+
+CASES = ("plain", "nnsight/final", "split", "token", "states", "states/loop")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def peak_memory(fn: Callable[[], object]) -> int:
+    """Bytes of resident memory above the size before `fn`, at the highest point while it ran."""
+    base, peak, done = _rss(), [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.002)
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        th.join()
+    return max(peak[0], _rss()) - base
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 512])
+    ap.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    ap.add_argument("--warmup", type=int, default=1)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
 
@@ -75,20 +111,48 @@ def main() -> None:
             finally:
                 deltalang.route_kernels(model.family, "default")
 
-        times = interleaved({"plain": plain, "nnsight/final": nnsight_final, "split": split, "token": token},
-                            repeat=args.repeat)
-        rows.append((n, times))
+        def states() -> None:
+            norms = []
+            with model.trace(ids):
+                for i in linear:
+                    norms.append(model.layers[i].linear_attn.states.norm(dim=(-2, -1)).save())
+            assert all(x.shape == (1, n, d["heads"]) for x in norms)
+
+        def states_loop() -> None:
+            chunked, kernels.per_token = kernels.per_token, kernels.per_token_loop
+            try:
+                states()
+            finally:
+                kernels.per_token = chunked
+
+        every = {"plain": plain, "nnsight/final": nnsight_final, "split": split, "token": token,
+                 "states": states, "states/loop": states_loop}
+        cases = {k: every[k] for k in args.cases}
+        if "plain" not in cases:
+            cases = {"plain": plain, **cases}
+        peaks = dict.fromkeys(cases, 0)
+
+        def tracked(k: str, fn: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                peaks[k] = max(peaks[k], peak_memory(fn))
+            return run
+
+        times = interleaved({k: tracked(k, fn) for k, fn in cases.items()}, repeat=args.repeat,
+                            warmup=args.warmup)
+        rows.append((n, times, peaks))
 
     print(f"benchmarks/values.py — {datetime.date.today()} — {machine()}")
-    print("set_state_after(t = n/2) on all 18 DeltaNet blocks; random Qwen3.5-0.8B-shaped model; "
-          f"median of {args.repeat}")
-    print(f"{'tokens':>6} | {'plain forward':>14} | {'nnsight 18 final states':>24} | {'deltalang split':>16} | "
-          f"{'deltalang token-by-token':>25}")
-    for n, t in rows:
+    print("random Qwen3.5-0.8B-shaped model, all 18 DeltaNet blocks: set_state_after(t = n/2) (split, token), "
+          f"`states` reduced to per-token norms (states, states/loop); median of {args.repeat}, "
+          f"{args.warmup} warm-up; "
+          "time relative to the plain forward, [peak memory above rest]")
+    names = list(rows[0][1])
+    print(f"{'tokens':>6} | " + " | ".join(f"{k:>22}" for k in names))
+    for n, t, m in rows:
         p = t["plain"]
-        print(f"{n:>6} | {p * 1000:>11.0f} ms | {t['nnsight/final'] / p:>23.2f}x | {t['split'] / p:>15.2f}x | "
-              f"{t['token'] / p:>24.2f}x")
-
+        cells = [f"{t[k] * 1000:>7.0f} ms [{m[k] / 2**20:>6.0f} MiB]" if k == "plain"
+                 else f"{t[k] / p:>5.2f}x [{m[k] / 2**20:>6.0f} MiB]" for k in names]
+        print(f"{n:>6} | " + " | ".join(f"{c:>22}" for c in cells))
 
 if __name__ == "__main__":
     main()

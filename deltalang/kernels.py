@@ -325,11 +325,78 @@ def _read_query(fam: families.Family, q: torch.Tensor, use_qk_l2norm: bool) -> t
     return q * (q.shape[-1] ** -0.5)
 
 
+# chunk length of the chunked `per_token`: materialising the states costs s * CHUNK * dk * dv
+# multiply-adds per head, the scan over chunks s / CHUNK sequential steps
+CHUNK = 16
+
+
 def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
-              use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule token by token, written with matmuls, keeping every state.
+              use_qk_l2norm: bool, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule keeping every state, in chunks: batched matrix products, a loop over chunks only.
 
+    Within a chunk starting from state S0, with cumulative log decay G_t from the chunk's start
+    (per key channel for Kimi), S_t = exp(G_t) * S0 + sum_{j<=t} exp(G_t - G_j) * k_j^T u_j, where
+    the corrections u (the delta rule's `beta * (v - k S)`) solve one unit-lower-triangular system
+    per chunk (the UT form transformers' chunked kernel uses). Equal to `per_token_loop` within
+    float32 noise.
+
+    Returns (outputs `[b, s, h, dv]` in the query dtype, states `[b, s, h, dk, dv]` float32).
+    """
+    q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    S = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=v.device) if initial_state is None
+         else initial_state.to(torch.float32))
+    if gg.dim() == 3:  # one decay per head: a channel axis of one
+        gg = gg[..., None]
+    C = chunk_size
+    pad = (-s) % C
+    n = (s + pad) // C
+    # padding: zero keys and betas write nothing, zero log decay keeps the state
+    q, k, v, gg = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b, h, n, C, -1) for x in (q, k, v, gg))
+    bb = torch.nn.functional.pad(bb, (0, pad)).reshape(b, h, n, C, 1)
+    cum = gg.cumsum(dim=3)  # [b, h, n, C, 1 or dk]
+    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    # kd[t, j, a] = exp(G_t - G_j)[a] * k_j[a] for j <= t, else 0: [b, h, n, C, C, dk]
+    kd = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
+    kd = kd * k[..., None, :, :]
+    system = (kd @ (k * bb)[..., None])[..., 0]  # beta_t k_t . kd[t, j]; the diagonal is not read
+    u0 = torch.linalg.solve_triangular(system, v * bb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k * bb * cum.exp(), upper=False, unitriangular=True)
+    last = cum[..., -1:, :]  # [b, h, n, 1, 1 or dk]
+    k_last = k * (last - cum).exp()
+    starts = torch.empty(b, h, n, dk, dv, dtype=torch.float32, device=v.device)
+    u = torch.empty(b, h, n, C, dv, dtype=torch.float32, device=v.device)
+    for i in range(n):  # the scan over chunks: each chunk's starting state and corrections
+        starts[:, :, i] = S
+        u[:, :, i] = u0[:, :, i] - w[:, :, i] @ S
+        S = last[:, :, i, 0, :, None].exp() * S + k_last[:, :, i].transpose(-1, -2) @ u[:, :, i]
+    return _chunk_reads(q, kd, cum, starts, u, s, query.dtype)
+
+
+def _chunk_reads(q: torch.Tensor, kd: torch.Tensor, cum: torch.Tensor, starts: torch.Tensor,
+                 u: torch.Tensor, s: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every state of every chunk and every token's read of it, as batched products (see `per_token`)."""
+    b, h, n, C, dk = kd.shape[0], kd.shape[1], kd.shape[2], kd.shape[3], kd.shape[-1]
+    dv = u.shape[-1]
+    # out_t = (q_t * exp(G_t)) S0 + sum_j (q_t . kd[t, j]) u_j
+    intra = (kd @ q[..., None])[..., 0]  # [b, h, n, C, C]
+    out = (q * cum.exp()) @ starts + intra @ u
+    out = out.reshape(b, h, n * C, dv)[:, :, :s].transpose(1, 2).to(dtype)
+    # states[t] = kd[t]^T u + exp(G_t) * S0, computed straight into the `[b, s, h, dk, dv]` layout
+    kd_t = kd.permute(0, 2, 3, 1, 5, 4)  # [b, n, C(t), h, dk, C(j)]
+    states = torch.matmul(kd_t, u.permute(0, 2, 1, 3, 4)[:, :, None])  # [b, n, C, h, dk, dv]
+    states.addcmul_(cum.exp().permute(0, 2, 3, 1, 4)[..., None], starts.permute(0, 2, 1, 3, 4)[:, :, None])
+    return out, states.reshape(b, n * C, h, dk, dv)[:, :s]
+
+
+def per_token_loop(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
+                   use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule token by token, the plain statement of the math `per_token` computes in chunks.
+
+    Slow (a Python loop over tokens); kept as the tests' statement of the recurrence.
     Returns (outputs `[b, s, h, dv]` in the query dtype, states `[b, s, h, dk, dv]` float32).
     """
     q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
