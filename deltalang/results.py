@@ -4,10 +4,14 @@
 a per-prompt tensor) for a measure, token ids for `read tokens`. `summary()`
 prints them as `deltalang run` does, decoding tokens with the model's tokenizer
 when one is given; `kinds` and `token_labels` (what each result holds, the run's
-tokens of a per-token measure) only shape that display.
+tokens of a per-token measure) only shape that display: shapes carry the axis
+names of `values.CATALOGUE` (`[b=1, heads=4, key_dim=32, value_dim=32]`), norms
+are named (`‖·‖F`, the Frobenius norm, and over which axes), and a KL below 0 (float
+noise) shows as 0 (`shown_value`, which the sweep tables use too); values stay raw.
 
-`Results.save(DIR)` always writes every result (each tensor an independent
-copy, so values that share storage save); `check_out_dir` finds, touching
+`Results.save(DIR)` writes every result (each tensor an independent copy, so
+values that share storage save; no `results.safetensors` without tensors), each
+file with the mode the umask gives; `check_out_dir` finds, touching
 nothing, whatever would stop a save in DIR, so the commands refuse such an
 `--out` before the model loads. `results.json` records the versions that
 produced it (`_versions`).
@@ -17,17 +21,58 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from .errors import DeltaError
 from .model import DeltaModel
+from .values import CATALOGUE, MODEL_VALUES
 from .version import __version__
+
+NORM = "‖·‖F"  # how summaries name the Frobenius norm
+NONNEGATIVE = ("kl",)  # measures >= 0 in exact arithmetic: float noise below 0 is shown as 0
+
+
+def axis_names(kind: str, ndim: int) -> list[str] | None:
+    """The axis names of value `kind` from its catalogue shape (`[b, heads, key_dim, value_dim]`), if `ndim` fits.
+
+    A shape with alternatives (`[b, s, heads] (Kimi: [b, s, heads, key_dim])`) gives the one with `ndim` axes.
+    """
+    value = CATALOGUE.get(kind)
+    shape = value.shape if value is not None else MODEL_VALUES.get(kind, "")
+    for group in re.findall(r"\[([^\]]*)\]", shape):
+        names = [n.strip() for n in group.split(",")]
+        if len(names) == ndim:
+            return names
+    return None
+
+
+def named_shape(kind: str, shape: Sequence[int]) -> str:
+    """`[b=1, heads=4, key_dim=32, value_dim=32]`, or `[1, 4, 32, 32]` for a value without catalogue names."""
+    names = axis_names(kind, len(shape))
+    if names is None:
+        return "[" + ", ".join(str(n) for n in shape) + "]"
+    return "[" + ", ".join(f"{a}={n}" for a, n in zip(names, shape)) + "]"
+
+
+def for_display(kind: str, value: float) -> float:
+    """`value` of a measure of `kind` as shown: a KL below 0 (float noise) as 0. Stored values stay raw."""
+    return 0.0 if kind in NONNEGATIVE and value < 0 else value
+
+
+def shown_value(kind: str, value: Any) -> str:
+    """A measure's value as the summary prints it (`for_display`, 6 significant digits)."""
+    if not isinstance(value, float):
+        return str(value)
+    return "nan" if math.isnan(value) else f"{for_display(kind, value):.6g}"
 
 
 class Results(Mapping[str, Any]):
@@ -79,11 +124,13 @@ class Results(Mapping[str, Any]):
         return self._kinds.get(key) or key.rsplit(".", 1)[-1]
 
     def summary(self, top: int = 5) -> str:
+        """What `deltalang run` prints: a line per result (shapes with axis names, norms named)."""
         lines = []
         tok = self._model.tokenizer if self._model is not None else None
+        normed = False
         for k, v in self._values.items():
             if not isinstance(v, torch.Tensor):
-                lines.append(f"{k:48} {v:.6g}" if isinstance(v, float) else f"{k:48} {v}")
+                lines.append(f"{k:48} {shown_value(self._kind(k), v)}")
             elif self._kind(k) == "tokens" and tok is not None:
                 lines.append(f"{k:48} " + " | ".join(repr(tok.decode(r)) for r in v.tolist()))
             elif self._kind(k) == "next_token_probs" and tok is not None:
@@ -93,11 +140,15 @@ class Results(Mapping[str, Any]):
                     best = ", ".join(f"{tok.decode([i])!r} {x:.3f}" for x, i in zip(vals.tolist(), ids.tolist()))
                     lines.append(f"{k:48} top: {best}")
             elif self._kind(k) == "norm" and v.dim() == 2 and k in self._labels:
-                lines.append(f"{k:48} per token:")
+                over = ", ".join(axis_names("states", 5)[2:])
+                lines.append(f"{k:48} per token, {NORM} over {over}:")
                 for label, x in zip(self._labels[k], v[0].tolist()):
                     lines.append(f"    {label!r:14} {x:.4f}")
             else:
-                lines.append(f"{k:48} {str(tuple(v.shape)):24} norm {float(v.float().norm()):.4f}")
+                normed = True
+                lines.append(f"{k:48} {NORM} {float(v.float().norm()):<10.4f} {named_shape(self._kind(k), v.shape)}")
+        if normed:
+            lines.append(f"({NORM}: the Frobenius norm over every axis of the tensor)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -108,11 +159,20 @@ class Results(Mapping[str, Any]):
 
         return "<pre>" + html.escape(repr(self)) + "</pre>"
 
+    def files(self) -> list[str]:
+        """The files `save` writes: `results.safetensors` only when there are tensors."""
+        names = (["results.safetensors"] if self.tensors else []) + ["results.json"]
+        return names + (["program.dl"] if self.program is not None else []) + \
+            ([self.code_file] if self.code is not None else [])
+
     def save(self, directory: str | Path, *, extra: Mapping[str, Any] | None = None) -> Path:
-        """Write `results.safetensors`, `results.json` (and `program.dl`, `code_file`) atomically.
+        """Write `files()` atomically: `results.safetensors` (if any tensor), `results.json`, `program.dl`, code.
 
         Each tensor is saved as its own copy: results that share storage (`states` and
-        `state_output`, ...) save like any others. A directory that cannot be written is a DeltaError.
+        `state_output`, ...) save like any others. Results of measures only write no
+        `results.safetensors`, and remove one a former save left in DIR, so the directory
+        never holds tensors of another run. Every file gets the mode the umask gives new
+        files. A directory that cannot be written is a DeltaError.
         """
         out = check_out_dir(directory)
         tmp: Path | None = None
@@ -122,6 +182,8 @@ class Results(Mapping[str, Any]):
             self._write(tmp, extra)
             for f in tmp.iterdir():
                 os.replace(f, out / f.name)
+            if not self.tensors and (out / "results.safetensors").is_file():
+                (out / "results.safetensors").unlink()
         except OSError as e:  # checked before, so only what changed since (a full disk, ...)
             raise DeltaError(f"cannot save results in {directory}: {e.strerror or e}") from None
         finally:
@@ -134,7 +196,6 @@ class Results(Mapping[str, Any]):
 
         # clone: safetensors refuses tensors that share storage, and views of one result often do
         tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.tensors.items()}
-        save_file(tensors, str(tmp / "results.safetensors"))
         meta = {
             "measures": self.measures,
             "tokens": self.tokens,
@@ -145,6 +206,10 @@ class Results(Mapping[str, Any]):
             **(dict(extra) if extra else {}),
         }
         (tmp / "results.json").write_text(json.dumps(meta, indent=2, default=str), encoding="utf-8")
+        if tensors:
+            save_file(tensors, str(tmp / "results.safetensors"))
+            # safetensors creates its file 0600; give it the mode open() gave results.json (the umask's)
+            os.chmod(tmp / "results.safetensors", stat.S_IMODE((tmp / "results.json").stat().st_mode))
         if self.program is not None:
             (tmp / "program.dl").write_text(self.program, encoding="utf-8")
         if self.code is not None:

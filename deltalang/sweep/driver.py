@@ -3,7 +3,8 @@
 Contract: the program's other runs (and the support values) run once through the
 compiler; each sweep runs through the engine or the naive path (the progress
 output says which and why); with `out` every finished cell is saved as it
-finishes and `resume` continues an interrupted sweep. Returns a SweepOutcome:
+finishes (with `normalise`, sweep.json records the baselines) and `resume`
+continues an interrupted sweep. Returns a SweepOutcome:
 every result by name (the same names the reference path gives), a table per
 sweep, the files written.
 """
@@ -20,7 +21,7 @@ import torch
 from ..model import DeltaModel
 from ..compiled import Experiment
 from ..results import Results
-from .engine import Context, run_job
+from .engine import Context, baselines, run_job
 from .errors import DeltaSweepError
 from .job import Cell, Normalise, ResultRow, SweepJob, added_result_name, measure_label, plan_job, start_of
 from .memory import batch_for
@@ -139,8 +140,11 @@ def run_sweeps(exp: Experiment, *, out: str | Path | None = None, resume: bool =
     store = open_store(exp, jobs, directory, norm, batches, columns, resume) if directory is not None else None
     support_results = support.run(exp)
     values_: dict[str, Any] = {k: v for k, v in support_results.items() if not k.startswith(SUPPORT)}
+    if store is not None and norm is not None:
+        store.set_baselines({job.name: baselines(support_results, job) for job in jobs})
     tables = {job.name: SweepTable(job.name, job.run.axes, token_texts(model, job.run),
-                                   [measure_label(m) for m in job.run.measures]) for job in jobs}
+                                   [measure_label(m) for m in job.run.measures],
+                                   kinds={measure_label(m): m.kind for m in job.run.measures}) for job in jobs}
     finished: dict[str, set[int]] = {job.name: set() for job in jobs}
     if store is not None:
         values_.update(_restore(store, jobs, columns, tables, finished))

@@ -121,20 +121,21 @@ def _logit_measure(m: ResolvedMeasure, logits: torch.Tensor, support: Mapping[st
     return float(measures.evaluate(m.kind, logits, m.token_ids, reference))
 
 
+def baselines(support: Mapping[str, Any], job: SweepJob) -> dict[str, tuple[float, float]]:
+    """{measure label: (clean, corrupted)}: the values `--normalise` measures each cell against (none without it)."""
+    if job.normalise is None:
+        return {}
+    clean, corrupted = (support[k] for k in job.normalise)
+    refs = dict(job.reference_keys)
+    return {measure_label(m): (_logit_measure(m, clean, support, refs), _logit_measure(m, corrupted, support, refs))
+            for m in job.run.measures
+            if m.kind in measures.LOGIT_KINDS and not (m.kind == "kl" and m.against not in refs)}
+
+
 def _normalised_rows(ctx: Context, job: SweepJob, cell: Cell, values_: Mapping[str, float]) -> list[ResultRow]:
     """(patched - corrupted) / (clean - corrupted) for each logit measure of the cell."""
-    if job.normalise is None:
-        return []
-    clean, corrupted = (ctx.support[k] for k in job.normalise)
     out = []
-    for m in job.run.measures:
-        if m.kind not in measures.LOGIT_KINDS:
-            continue
-        label = measure_label(m)
-        refs = dict(job.reference_keys)
-        if m.kind == "kl" and m.against not in refs:
-            continue
-        c, k = _logit_measure(m, clean, ctx.support, refs), _logit_measure(m, corrupted, ctx.support, refs)
+    for label, (c, k) in baselines(ctx.support, job).items():
         effect = (values_[label] - k) / (c - k) if c != k else math.nan
         out.append(ResultRow(job.name, cell.index, cell.point, f"normalised({label})", None, effect))
     return out

@@ -1,6 +1,9 @@
 """Plots of a sweep's results (matplotlib, Agg, no global backend change): `plot_table()`.
 
-- two axes: a heatmap per measure (blocks x positions, the prompt's tokens as tick labels);
+- two axes: a heatmap per measure, oriented like the terminal table (`SweepTable.grid_axes`),
+  the prompt's tokens as tick labels, a colour bar labelled with the measure and its unit:
+  a diverging map centred on 0 for signed effects (`logit_diff`, normalised effects),
+  a sequential one otherwise (probabilities on 0..1);
 - one axis: a line plot per measure;
 - a per-token measure (`norm(L0.states)`): one curve per cell over the prompt's tokens
   (a cells x tokens image when there are too many cells for curves).
@@ -16,10 +19,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..results import for_display
+
 if TYPE_CHECKING:
     from .table import SweepTable
 
 MAX_CURVES = 12
+SIGNED = ("logit_diff", "normalised")  # measure kinds that take either sign: a diverging map centred on 0
+UNITS = {"prob": "probability", "kl": "nats", "logit_diff": "logits", "rank": "tokens preferred",
+         "normalised": "(patched − corrupted) / (clean − corrupted)", "norm": "Frobenius norm"}
+
+
+def colour_label(measure: str, kind: str) -> str:
+    """The colour bar's label: the measure and its unit."""
+    unit = UNITS.get(kind)
+    return f"{measure}\n{unit}" if unit else measure
 
 
 def _figure(width: float, height: float) -> Any:
@@ -38,27 +52,38 @@ def slug(text: str) -> str:
 
 
 def heatmap(grid: Sequence[Sequence[float]], xlabels: Sequence[str], ylabels: Sequence[str], title: str,
-            xname: str, yname: str, path: Path) -> Path:
-    """A heatmap of `grid[y][x]`, annotated with its values when small enough."""
+            xname: str, yname: str, path: Path, *, kind: str = "", label: str = "") -> Path:
+    """A heatmap of `grid[y][x]` with a colour bar labelled `label`, annotated with its values when small enough.
+
+    `kind` in SIGNED: a diverging map centred on 0 (blue below, red above); `prob`: sequential on 0..1.
+    """
     import numpy as np
 
     data = np.array(grid, dtype=float)
-    fig = _figure(max(4.0, 0.7 * len(xlabels) + 2.5), max(3.0, 0.4 * len(ylabels) + 1.8))
+    finite = data[np.isfinite(data)]
+    if kind in SIGNED:
+        bound = float(np.abs(finite).max()) if finite.size and np.abs(finite).max() > 0 else 1.0
+        cmap, vmin, vmax = "RdBu_r", -bound, bound
+    elif kind == "prob":
+        cmap, vmin, vmax = "viridis", 0.0, 1.0
+    else:
+        cmap, vmin, vmax = "viridis", None, None
+    fig = _figure(max(4.5, 0.7 * len(xlabels) + 3.0), max(3.0, 0.4 * len(ylabels) + 1.8))
     ax = fig.add_subplot(1, 1, 1)
-    image = ax.imshow(data, aspect="auto", cmap="viridis", interpolation="nearest")
-    fig.colorbar(image, ax=ax)
+    image = ax.imshow(data, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+    bar = fig.colorbar(image, ax=ax)
+    bar.set_label(label, fontsize=8)
     ax.set_xticks(range(len(xlabels)), labels=list(xlabels), rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(ylabels)), labels=list(ylabels), fontsize=8)
     ax.set_xlabel(xname)
     ax.set_ylabel(yname)
     ax.set_title(title, fontsize=10)
     if data.size <= 400:
-        finite = data[np.isfinite(data)]
-        mid = (finite.min() + finite.max()) / 2 if finite.size else 0.0
         for (y, x), v in np.ndenumerate(data):
             if math.isfinite(v):
-                ax.text(x, y, f"{v:.2g}", ha="center", va="center", fontsize=6,
-                        color="black" if v > mid else "white")
+                r, g, b, _ = image.cmap(image.norm(v))
+                ax.text(x, y, f"{for_display(kind, v):.2g}", ha="center", va="center", fontsize=6,
+                        color="black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white")
     fig.tight_layout()
     fig.savefig(path)
     return path
@@ -117,17 +142,15 @@ def plot_table(table: SweepTable, directory: Path) -> list[Path]:
         grid = table.grid(m)
         path = directory / f"{table.name}-{slug(m)}.png"
         if len(axes) == 2:
-            a, b = axes
-            swap = a.kind == "position" and b.kind == "block"  # blocks down, positions across
-            if swap:
-                a, b = b, a
-            data = [[grid.get((v, u) if swap else (u, v), math.nan) for v in b.values] for u in a.values]
-            out.append(heatmap(data, [table.label(b, v) for v in b.values], [table.label(a, u) for u in a.values],
-                               f"{table.name}: {m}", b.var, a.var, path))
+            rows, cols = table.grid_axes()
+            out.append(heatmap(table.matrix(m), [table.label(cols, v) for v in cols.values],
+                               [table.label(rows, u) for u in rows.values], f"{table.name}: {m}", cols.var,
+                               rows.var, path, kind=table.kind(m), label=colour_label(m, table.kind(m))))
         elif len(axes) == 1:
             (a,) = axes
             ys = [grid.get((v,), math.nan) for v in a.values]
-            out.append(line([table.label(a, v) for v in a.values], ys, f"{table.name}: {m}", a.var, m, path))
+            out.append(line([table.label(a, v) for v in a.values], ys, f"{table.name}: {m}", a.var,
+                            colour_label(m, table.kind(m)), path))
     for m in per_token:
         curves = {", ".join(f"{a.var}={table.label(a, v)}" for a, v in zip(axes, key)): ys
                   for key, ys in table.curves(m).items()}

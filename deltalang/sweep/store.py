@@ -5,6 +5,9 @@ Contract: the CSV has the columns sweep, the axes, measure, position, value
 and synced before its cells are marked done in sweep.json, with the program's
 sha256, so an interrupted sweep loses no finished cell and `--resume` continues
 the same program only. At the end the CSV is rewritten in cell order.
+With `--normalise`, sweep.json's `baselines` holds, per sweep and logit measure,
+the clean and corrupted values every normalised effect was computed against:
+`{"SWEEP": {"prob(\" Paris\")": {"clean": 0.99, "corrupted": 0.01}}}`.
 """
 
 from __future__ import annotations
@@ -122,6 +125,12 @@ class SweepStore:
                 w.writerows(self.rows[key])
             _fsync(f)
         os.replace(tmp, self.csv)
+
+    def set_baselines(self, baselines: Mapping[str, Mapping[str, tuple[float, float]]]) -> None:
+        """Record {sweep: {measure: (clean, corrupted)}}, what `--normalise` divides by, in sweep.json."""
+        self.meta["baselines"] = {sweep: {m: {"clean": c, "corrupted": k} for m, (c, k) in by_measure.items()}
+                                  for sweep, by_measure in baselines.items() if by_measure}
+        self._write_meta()
 
     def is_done(self, sweep: str, cell: int) -> bool:
         return cell in self.done.get(sweep, set())

@@ -2,6 +2,9 @@
 
 Contract: `SweepTable` holds a sweep's axes, its prompt's tokens and every
 ResultRow, for the terminal tables (`render_tables`), the CSV and the plots.
+A two-axis grid has one orientation (`grid_axes`: the longer axis down the rows),
+the same in the terminal and the heatmap. Tables show a KL's float noise below 0
+as 0 (`results.for_display`); the rows (and the CSV) keep the raw values.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import attrs
 
 from ..ir import ResolvedRun, SweepAxis
 from ..model import DeltaModel
+from ..results import for_display
 from .job import ResultRow
 from .store import CSV_NAME
 
@@ -26,6 +30,22 @@ class SweepTable:
     tokens: tuple[str, ...]  # the prompt's tokens, as text
     measures: list[str]
     rows: list[ResultRow] = attrs.Factory(list)
+    kinds: dict[str, str] = attrs.Factory(dict)  # measure label -> its kind ("prob", "kl", ...)
+
+    def kind(self, measure: str) -> str:
+        """The kind of a measure label: `normalised` for the normalised effects a sweep adds."""
+        return "normalised" if measure.startswith("normalised(") else self.kinds.get(measure, "")
+
+    def grid_axes(self) -> tuple[SweepAxis, SweepAxis]:
+        """A two-axis sweep's (rows, columns): the longer axis down the rows, so the table fits."""
+        a, b = self.axes
+        return (b, a) if len(b.values) > len(a.values) else (a, b)
+
+    def matrix(self, measure: str) -> list[list[float]]:
+        """A scalar measure of a two-axis sweep as `grid_axes` rows x columns (nan where missing)."""
+        rows, cols = self.grid_axes()
+        grid, first = self.grid(measure), self.axes[0] is rows
+        return [[grid.get((u, v) if first else (v, u), math.nan) for v in cols.values] for u in rows.values]
 
     def grid(self, measure: str) -> dict[tuple[int, ...], float]:
         """{axis values: value} of a scalar measure."""
@@ -57,8 +77,8 @@ def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
     return tuple((tok.decode([i]) or "?").replace(" ", "␣").replace("\n", "⏎") for i in run.token_ids)
 
 
-def _fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.3g}"
+def _fmt(x: float, kind: str = "") -> str:
+    return "nan" if math.isnan(x) else f"{for_display(kind, x):.3g}"
 
 
 def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
@@ -71,19 +91,14 @@ def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
     if not measures_:
         pass
     elif len(axes) == 2:
-        a, b = axes
-        if len(b.values) > len(a.values):  # the longer axis down the rows, so the table fits
-            a, b = b, a
-        ia = [x.var for x in axes].index(a.var)
+        a, b = table.grid_axes()
         for m in measures_:
-            grid = table.grid(m)
             t = Table(title=f"{table.name}: {m}", title_justify="left")
             t.add_column(f"{a.var} \\ {b.var}")
             for v in b.values:
                 t.add_column(table.label(b, v), justify="right")
-            for u in a.values:
-                keys = [(u, v) if ia == 0 else (v, u) for v in b.values]
-                t.add_row(table.label(a, u), *(_fmt(grid[k]) if k in grid else "" for k in keys))
+            for u, row in zip(a.values, table.matrix(m)):
+                t.add_row(table.label(a, u), *(_fmt(x, table.kind(m)) for x in row))
             out.append(t)
     elif len(axes) == 1:
         (a,) = axes
@@ -93,7 +108,8 @@ def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
             t.add_column(m, justify="right")
         grids = [table.grid(m) for m in measures_]
         for u in a.values:
-            t.add_row(table.label(a, u), *(_fmt(g[(u,)]) if (u,) in g else "" for g in grids))
+            t.add_row(table.label(a, u), *(_fmt(g[(u,)], table.kind(m)) if (u,) in g else ""
+                                           for m, g in zip(measures_, grids)))
         out.append(t)
     else:
         t = Table(title=table.name, title_justify="left")
@@ -103,7 +119,8 @@ def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
         t.add_column("value", justify="right")
         shown = [r for r in table.rows if r.position is None]
         for r in shown[:limit]:
-            t.add_row(*(table.label(a, v) for a, (_, v) in zip(axes, r.point)), r.measure, _fmt(r.value))
+            t.add_row(*(table.label(a, v) for a, (_, v) in zip(axes, r.point)), r.measure,
+                      _fmt(r.value, table.kind(r.measure)))
         if len(shown) > limit:
             t.caption = f"first {limit} of {len(shown)} rows; all in {CSV_NAME}"
         out.append(t)
