@@ -6,22 +6,76 @@
         s = model.layers[1].linear_attn.state_after(3).save()
 
 The package face: re-exports only (ARCHITECTURE.md shows where each lives).
+Each public name is imported on first use (module `__getattr__`), so
+`import deltalang` and the commands that need no model (`deltalang --help`,
+`fmt`, `check`) never import torch or nnsight; `deltalang.X` is the same object
+as before, and `from deltalang import X` works for every name in `__all__`.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .version import __version__
 
-from . import families  # noqa: E402
-from .errors import DeltaError
-from .kernels import route_kernels, routed
-from .check import check
-from .model import DeltaModel, load_model
-from .parse import parse
-from .compiled import Experiment
-from .results import Results
-from .run import compile, run, run_sweep, sweep
-from .spec import ModelSpec, load_spec
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from . import families
+    from .check import check
+    from .compiled import Experiment
+    from .dataset_run import DatasetResults
+    from .errors import DeltaError
+    from .kernels import route_kernels, routed
+    from .model import DeltaModel, load_model
+    from .parse import parse
+    from .results import Results
+    from .run import compile, run, run_sweep, sweep
+    from .spec import ModelSpec, load_spec
 
-__all__ = ["DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
+# public name -> the module (relative to the package) that defines it; a module's own name maps to ""
+_LAZY: dict[str, str] = {
+    "families": "", "DeltaError": "errors", "route_kernels": "kernels", "routed": "kernels", "check": "check",
+    "DeltaModel": "model", "load_model": "model", "parse": "parse", "Experiment": "compiled",
+    "Results": "results", "DatasetResults": "dataset_run", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
+    "ModelSpec": "spec", "load_spec": "spec",
+}
+
+__all__ = ["DatasetResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
            "load_model", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """`deltalang.NAME`: import the module that defines NAME the first time it is asked for."""
+    home = _LAZY.get(name)
+    if home is None:
+        raise AttributeError(f"module 'deltalang' has no attribute {name!r}")
+    module = importlib.import_module(f".{home or name}", __name__)
+    value = module if not home else getattr(module, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+# public functions named like the modules they live in or beside (`run`, `check`, `parse`, `sweep`)
+_SHADOWED = frozenset(n for n in _LAZY if _LAZY[n])
+
+
+class _Face(types.ModuleType):
+    """The package module: importing submodule `deltalang.run` never rebinds the public `deltalang.run`.
+
+    The import system sets a package's attribute to each submodule it imports; for
+    the names above the public function keeps the name (as the eager face did).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _SHADOWED and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Face

@@ -49,7 +49,17 @@ class VarPos:
     span: Span = _span()
 
 
-Position = Union[IntPos, PiecePos, VarPos]
+@attrs.frozen
+class Field:
+    """A field of a dataset's record: `facts.subject` (a position, a donor prompt or a measured token)."""
+
+    dataset: str
+    field: str
+    span: Span = _span()
+
+
+Position = Union[IntPos, PiecePos, VarPos, Field]
+Text = Union[str, Field]  # a measured token: quoted, or a record's field
 
 # ---- selectors -------------------------------------------------------------
 
@@ -180,7 +190,7 @@ Source = Union[FromSource, ZerosSource, NamedSource, ScaleSource, MeanSource]
 class Prob:
     """`prob(" tok")`: the next-token probability of one token."""
 
-    token: str
+    token: Text
     span: Span = _span()
 
 
@@ -188,7 +198,7 @@ class Prob:
 class Rank:
     """`rank(" tok")`: the rank of one token in the next-token distribution (0 = top)."""
 
-    token: str
+    token: Text
     span: Span = _span()
 
 
@@ -196,8 +206,8 @@ class Rank:
 class LogitDiff:
     """`logit_diff(" a", " b")`: the next-token logit of `a` minus that of `b`."""
 
-    a: str
-    b: str
+    a: Text
+    b: Text
     span: Span = _span()
 
 
@@ -289,6 +299,15 @@ class PromptDecl:
 
 
 @attrs.frozen
+class DatasetDecl:
+    """`dataset NAME = "FILE"`: records with named text fields (JSONL, CSV or TSV; relative to the .dl file)."""
+
+    name: str
+    path: str
+    span: Span = _span()
+
+
+@attrs.frozen
 class PromptListDecl:
     """`prompts NAME = ["TEXT", ...]`."""
 
@@ -348,8 +367,8 @@ class Sweep:
 
 
 Run = Union[Trace, Generate, Sweep]
-Decl = Union[ModelDecl, PromptDecl, PromptListDecl]
-Item = Union[ModelDecl, PromptDecl, PromptListDecl, Trace, Generate, Sweep, Read, Write, Measure, Route]
+Decl = Union[ModelDecl, PromptDecl, PromptListDecl, DatasetDecl]
+Item = Union[ModelDecl, PromptDecl, PromptListDecl, DatasetDecl, Trace, Generate, Sweep, Read, Write, Measure, Route]
 
 
 @attrs.frozen
@@ -370,7 +389,7 @@ class Program:
 
 
 RUN_TYPES = (Trace, Generate, Sweep)
-DECL_TYPES = (ModelDecl, PromptDecl, PromptListDecl)
+DECL_TYPES = (ModelDecl, PromptDecl, PromptListDecl, DatasetDecl)
 STATEMENT_TYPES = (Read, Write, Measure, Route, Step)
 
 # ---- printing ----------------------------------------------------------------
@@ -389,11 +408,18 @@ def format_number(x: float) -> str:
     return repr(float(x))
 
 
+def format_text(t: Text) -> str:
+    """A measured token as written: `" Paris"`, or a record's field `facts.answer`."""
+    return quote(t) if isinstance(t, str) else f"{t.dataset}.{t.field}"
+
+
 def format_position(p: Position) -> str:
     if isinstance(p, IntPos):
         return str(p.value)
     if isinstance(p, PiecePos):
         return quote(p.text)
+    if isinstance(p, Field):
+        return format_text(p)
     return p.name
 
 
@@ -439,11 +465,11 @@ def format_source(src: Source) -> str:
 def format_measure(m: MeasureCall) -> str:
     """`prob(" Paris")`, `logit_diff(" a", " b")`, `kl(base)`, `norm(L0.state_output)`."""
     if isinstance(m, Prob):
-        return f"prob({quote(m.token)})"
+        return f"prob({format_text(m.token)})"
     if isinstance(m, Rank):
-        return f"rank({quote(m.token)})"
+        return f"rank({format_text(m.token)})"
     if isinstance(m, LogitDiff):
-        return f"logit_diff({quote(m.a)}, {quote(m.b)})"
+        return f"logit_diff({format_text(m.a)}, {format_text(m.b)})"
     if isinstance(m, KL):
         return f"kl({m.run})"
     return f"norm({format_site(m.site)})"
@@ -471,6 +497,8 @@ def format_statement(st: Statement | Decl) -> str:
         return f"prompt {st.name} = {quote(st.text)}"
     if isinstance(st, PromptListDecl):
         return f"prompts {st.name} = [" + ", ".join(quote(t) for t in st.texts) + "]"
+    if isinstance(st, DatasetDecl):
+        return f"dataset {st.name} = {quote(st.path)}"
     raise TypeError(f"not a statement: {st!r}")
 
 

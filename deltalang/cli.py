@@ -14,9 +14,13 @@ Options that would only fail once a model is loaded or has run (`--prompt ""`,
 `check_options` before any command starts. Every command reads its program
 with `read_program`.
 
-Every command's handler is here (`run_main`, `emit_main`, `check_main`,
+Every command's handler is here (`run_main`, `dataset_main`, `emit_main`, `check_main`,
 `fmt_main`, `info_main`, `sweep_main`); they import the package's modules
-lazily, so a command loads only what it uses.
+lazily, so a command loads only what it uses: `--help`, `--version` and `fmt`
+never import torch, transformers or nnsight, and `check` never imports nnsight
+(it needs transformers' config and tokenizer, and transformers' config classes
+import torch). `check` and `fmt` colour their output with `lexer.highlight` when
+standard output is a terminal, never when it is piped.
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .errors import DeltaError, show_warnings_on_stderr
+from .version import __version__
 
 if TYPE_CHECKING:
     from .compiled import Experiment
+
+DESCRIPTION = "deltalang: experiments on the recurrent memory of gated-DeltaNet blocks, compiled to nnsight."
 
 # what `--device` may name; availability is asked of torch
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
@@ -101,6 +108,15 @@ def check_options(args: argparse.Namespace) -> None:
         check_out_dir(args.out)
 
 
+def _write_program_text(text: str) -> None:
+    """Program text (`check`, `fmt`) on standard output: coloured on a terminal, plain when piped."""
+    if sys.stdout.isatty():
+        from .lexer import highlight
+
+        text = highlight(text)
+    sys.stdout.write(text)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or hub id (default: the bundled model)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own Python code")
@@ -109,11 +125,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 # ---- the commands: each handler gets the parsed arguments, returns the exit status ----------
 
 
-def _experiment(args: argparse.Namespace) -> Experiment:
-    """The program of a command compiled against its model (options already checked by `check_options`)."""
+def _experiment(args: argparse.Namespace, program: tuple[str, str] | None = None) -> Experiment:
+    """The program of a command (`program`: its text and filename, already read) compiled against its model
+    (options already checked by `check_options`)."""
     from .compiled import Experiment
 
-    source, filename = read_program(args)
+    source, filename = program or read_program(args)
     return Experiment.from_source(source, args.model, filename=filename, prompt=args.prompt, device=args.device,
                                   dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                                   device_map=args.device_map)
@@ -140,6 +157,8 @@ def check_main(args: argparse.Namespace) -> int:
 
     try:
         text, filename = read_program(args)
+        if _over_dataset(text, filename):
+            return check_dataset(args, text, filename)
         with warnings.catch_warnings():  # the warnings are part of the output below
             warnings.simplefilter("ignore", DeltaWarning)
             resolved = check(text, getattr(args, "model", None), filename=filename,
@@ -152,7 +171,44 @@ def check_main(args: argparse.Namespace) -> int:
     except DeltaError as e:
         print(e.render(), file=sys.stderr)
         return 1
-    sys.stdout.write(format_resolved(resolved))
+    _write_program_text(format_resolved(resolved))
+    return 0
+
+
+def _over_dataset(text: str, filename: str) -> bool:
+    """Whether a program runs over a dataset (a parse error is left to the command's own path)."""
+    from .parse import parse
+    from .resolve import uses_dataset
+
+    try:
+        return uses_dataset(parse(text, filename))
+    except DeltaError:
+        return False
+
+
+def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
+    """`deltalang check` of a program over a dataset: its first record's plain program, and which records resolve."""
+    from . import ast
+    from .dataset_run import load_datasets
+    from .explain import format_resolved
+    from .parse import parse
+    from .resolve import resolve_records
+    from .spec import load_spec
+
+    if getattr(args, "prompt", None) is not None:
+        raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
+    program = parse(text, filename)
+    model = getattr(args, "model", None) or next((i.name for i in program.items if isinstance(i, ast.ModelDecl)),
+                                                 None)
+    spec = load_spec(model, trust_remote_code=getattr(args, "trust_remote_code", False))
+    ds, recs = resolve_records(program, load_datasets(text, filename, None), spec, source=text, filename=filename)
+    first = next(r for r in recs if r.resolved is not None)
+    print(f"# record {first.record.index + 1} of '{ds.name}' ({ds.where(first.record)}), as its plain program:")
+    _write_program_text(format_resolved(first.resolved))
+    bad = [r for r in recs if r.error is not None]
+    print(f"# {len(recs) - len(bad)} of {len(recs)} records resolve" + ("; left out:" if bad else ""))
+    for r in bad:
+        print(f"#   {ds.where(r.record)}: {' '.join(str(r.error.message).split()) if r.error else ''}")
     return 0
 
 
@@ -179,7 +235,7 @@ def fmt_main(args: argparse.Namespace) -> int:
                 print(f"error: cannot rewrite {filename}: {e.strerror or e}", file=sys.stderr)
                 return 1
         return 0
-    sys.stdout.write(out)
+    _write_program_text(out)
     return 0
 
 
@@ -192,8 +248,14 @@ def emit_main(args: argparse.Namespace) -> int:
 
 def run_main(args: argparse.Namespace) -> int:
     """`deltalang run FILE [--out DIR]`: run a program, print its results (a program with sweeps: `sweep_main`)."""
+    from .parse import parse
+    from .resolve import uses_dataset
+
     t0 = time.perf_counter()
-    exp = _experiment(args)
+    source, filename = read_program(args)
+    if uses_dataset(parse(source, filename)):
+        return dataset_main(args, source, filename)
+    exp = _experiment(args, (source, filename))
     if exp.has_sweeps:
         return sweep_main(args, exp)
     t1 = time.perf_counter()
@@ -204,7 +266,28 @@ def run_main(args: argparse.Namespace) -> int:
           f"run {t2 - t1:.2f} s)", file=sys.stderr)
     if args.out is not None:
         out = results.save(args.out)
-        print(f"wrote {out}/results.safetensors, results.json, program.dl, {results.code_file}", file=sys.stderr)
+        print(f"wrote {out}/{', '.join(results.files())}", file=sys.stderr)
+    return 0
+
+
+def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
+    """`deltalang run FILE [--out DIR] [--strict]` of a program over a dataset: per-measure statistics."""
+    from .compiled import model_for
+    from .dataset_run import FILES, load_datasets, run_dataset
+
+    if args.prompt is not None:
+        raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
+    t0 = time.perf_counter()
+    datasets = load_datasets(source, filename, None)  # the data's errors before a model loads
+    model = model_for(source, args.model, filename, device=args.device, dtype=args.dtype,
+                      trust_remote_code=args.trust_remote_code, device_map=args.device_map)
+    out = run_dataset(source, model, filename=filename, strict=bool(getattr(args, "strict", False)),
+                      datasets=datasets)
+    print(out.summary())
+    print(f"({time.perf_counter() - t0:.1f} s incl. model load)", file=sys.stderr)
+    if args.out is not None:
+        out.save(args.out)
+        print(f"wrote {args.out}/: {', '.join(FILES)}", file=sys.stderr)
     return 0
 
 
@@ -239,14 +322,17 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     if out is not None:
         outcome.results.save(out)
         shown = ", ".join(str(f.relative_to(out)) if f.is_relative_to(out) else str(f) for f in outcome.files)
-        err.print(f"wrote {out}/: {shown}, results.json, results.safetensors, program.dl, "
-                  f"{outcome.results.code_file} (the sweeps' reference form)", highlight=False)
+        code = outcome.results.code_file
+        saved = ", ".join(f for f in outcome.results.files() if f != code)
+        err.print(f"wrote {out}/: {shown}, {saved}, {code} (the sweeps' reference form)", highlight=False)
     err.print(f"({time.perf_counter() - t0:.1f} s)", highlight=False)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltalang", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="deltalang", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"deltalang {__version__}",
+                        help="print deltalang's version and exit")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
     sub = parser.add_subparsers(dest="command", required=True)
     debug = argparse.ArgumentParser(add_help=False)  # --debug after the command too
@@ -276,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-e", dest="expr", help="the program text itself")
         p.add_argument("--prompt", help="the prompt of the implicit top-level trace")
         _add_model_args(p)
-        p.add_argument("--device", default="cpu")
+        p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1, mps or xpu "
+                                                       "(default: cpu)")
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
         p.add_argument("--device-map", default=None,
                        help="shard a large checkpoint over the local GPUs (e.g. 'auto'; needs accelerate)")
@@ -286,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="write results.safetensors, results.json, program.dl and the code here: "
                                          "emitted.py, or a sweep's reference.py (with its sweep.csv, sweep.json "
                                          "and plots, as cells finish)")
+        if name == "run":
+            p.add_argument("--strict", action="store_true",
+                           help="over a dataset: stop at a record that does not resolve (default: leave it out)")
         if name == "sweep":
             p.add_argument("--resume", action="store_true", help="continue the sweep in --out DIR, keeping its cells")
             p.add_argument("--batch-size", type=int, default=None, help="cells per forward (default: from memory)")
@@ -299,20 +389,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_transformers() -> None:
-    """No progress bars or kernel fall-back notices on the command line: its output is the program's."""
+    """No progress bars or kernel fall-back notices on the command line: its output is the program's.
+
+    Said through the environment, which transformers reads when it is first imported,
+    so a command that never needs transformers never imports it; if it is already
+    imported (main called in a Python process), its logging is set directly.
+    """
     import os
     import warnings
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover
-        pass
 
 
 def _first_line(e: BaseException) -> str:

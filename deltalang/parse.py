@@ -28,7 +28,7 @@ GRAMMAR_PATH = Path(__file__).resolve().parent / "grammar" / "deltalang.lark"
 
 # statement keywords, in the order a message lists them
 STATEMENTS = ("read", "write", "measure", "route", "step", "trace", "generate", "sweep",
-              "prompt", "prompts", "model")
+              "prompt", "prompts", "dataset", "model")
 KEYWORDS = frozenset(STATEMENTS + ("on", "over", "in", "max_new_tokens", "as", "from"))
 MEASURES = ("prob", "logit_diff", "kl", "norm", "rank")
 KERNELS = ("torch", "default")
@@ -57,9 +57,10 @@ class _Layout(PostLex):
 
 @functools.cache
 def _lark() -> Lark:
-    """The parser, built once per process."""
+    """The parser, built once per process; its tables are cached in the temp directory (keyed by the grammar's
+    hash), which makes `deltalang fmt` start at once."""
     return Lark(GRAMMAR_PATH.read_text(encoding="utf-8"), parser="lalr", lexer="contextual",
-                propagate_positions=True, maybe_placeholders=True, postlex=_Layout())
+                propagate_positions=True, maybe_placeholders=True, postlex=_Layout(), cache=True)
 
 
 # ---- entry point -------------------------------------------------------------
@@ -389,8 +390,9 @@ class _Builder:
         kind = tree.data
         sp = self.span(tree)
         where = self.describe_run(context) if context is not None else ""
-        if kind in ("model_decl", "prompt_decl", "prompts_decl"):
-            word = {"model_decl": "model", "prompt_decl": "prompt", "prompts_decl": "prompts"}[kind]
+        if kind in ("model_decl", "prompt_decl", "prompts_decl", "dataset_decl"):
+            word = {"model_decl": "model", "prompt_decl": "prompt", "prompts_decl": "prompts",
+                    "dataset_decl": "dataset"}[kind]
             if context is not None:
                 self.fail(f"'{word}' is a declaration: put it at the top level, outside {where}", sp)
             return getattr(self, kind)(tree)
@@ -428,6 +430,13 @@ class _Builder:
         if not strings:
             self.fail(f"the prompt list '{name}' is empty", self.span(tree))
         return ast.PromptListDecl(self.name(name, "a prompt list"), strings, span=self.span(tree))
+
+    def dataset_decl(self, tree: Node) -> ast.DatasetDecl:
+        name, path = tree.children
+        text = self.string(path)
+        if not text:
+            self.fail(f"the dataset '{name}' names no file", self.span(path))
+        return ast.DatasetDecl(self.name(name, "a dataset"), text, span=self.span(tree))
 
     def body(self, block: Node, run: Node) -> tuple[ast.Statement, ...]:
         out: list[ast.Statement] = []
@@ -577,11 +586,21 @@ class _Builder:
             self.fail("norm takes one site: norm(L0.state_output)", sp)
         return ast.Norm(self.site(arglist[0]), span=sp)
 
-    def string_args(self, args: list[Any], n: int, fn: str, sp: Span) -> list[str]:
+    def string_args(self, args: list[Any], n: int, fn: str, sp: Span) -> list[ast.Text]:
         shape = {"prob": 'prob(" Paris")', "rank": 'rank(" Paris")', "logit_diff": 'logit_diff(" Paris", " Rome")'}
-        if len(args) != n or not all(isinstance(a, Token) and a.type == "STRING" for a in args):
-            self.fail(f"{fn} takes {'one quoted token' if n == 1 else f'{n} quoted tokens'}: {shape[fn]}", sp)
-        return [self.string(a) for a in args]
+        fields = [self.field(a) if isinstance(a, _LarkTree) else None for a in args]
+        if len(args) != n or not all((isinstance(a, Token) and a.type == "STRING") or f is not None
+                                     for a, f in zip(args, fields)):
+            self.fail(f"{fn} takes {'one quoted token' if n == 1 else f'{n} quoted tokens'} (or a dataset's "
+                      f"fields, facts.answer): {shape[fn]}", sp)
+        return [f if f is not None else self.string(a) for a, f in zip(args, fields)]
+
+    def field(self, path: Node) -> ast.Field | None:
+        """`facts.subject`: a path of two plain names is a dataset's field; anything else is not."""
+        segs = path.children
+        if len(segs) == 2 and all(s.data == "name_seg" for s in segs):
+            return ast.Field(str(segs[0].children[0]), str(segs[1].children[0]), span=self.span(path))
+        return None
 
     # -- sites, selectors, positions --
 
@@ -629,7 +648,10 @@ class _Builder:
             self.fail(usage, self.span(arg))
         if len(arg.children) == 1 and arg.children[0].data == "name_seg":
             return ast.VarPos(str(arg.children[0].children[0]), span=self.span(arg))
-        self.fail(usage, self.span(arg))
+        field = self.field(arg)
+        if field is not None:
+            return field
+        self.fail(usage + ", or a dataset's field (facts.subject)", self.span(arg))
 
     def selector(self, seg: Node) -> ast.Selector:
         sp = self.span(seg)

@@ -5,7 +5,9 @@
 
 `compile()` returns an `Experiment` (`deltalang.compiled`) whose `run()` gives
 `Results` (`deltalang.results`); a program with sweeps runs through the sweep
-engine (`deltalang.sweep.run_sweeps`), the one dispatch this layer adds.
+engine (`deltalang.sweep.run_sweeps`), and a program over a dataset (a `dataset`
+line, a record's field, or `data=`) through `deltalang.dataset_run`, giving
+`DatasetResults`: the dispatches this layer adds.
 
 Remote execution (nnsight's NDIF) is refused: `compile(..., remote=...)` and
 `--remote` raise `REMOTE_REFUSAL`.
@@ -13,10 +15,13 @@ Remote execution (nnsight's NDIF) is refused: `compile(..., remote=...)` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from .compiled import Experiment
+from .compiled import Experiment, model_for
+from .dataset_run import DatasetResults, run_dataset
 from .errors import DeltaError
+from .parse import parse
+from .resolve import uses_dataset
 from .results import Results
 from .sweep import run_sweep, run_sweeps, sweep
 
@@ -40,8 +45,21 @@ def compile(source: str, model: Any = None, *, filename: str = "<program>", prom
 
 
 def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
-        batch: bool = True, remote: bool | str = False) -> Results:
-    """Compile and run a program; returns its Results."""
+        batch: bool = True, remote: bool | str = False, data: Mapping[str, Any] | None = None,
+        strict: bool = False) -> Results | DatasetResults:
+    """Compile and run a program; returns its Results (DatasetResults for a program over a dataset).
+
+    `data`: {dataset name: a list of dicts or a pandas DataFrame}, used instead of the
+    `dataset` line's file; `strict`: a record that does not resolve stops the run.
+    """
+    if remote:
+        raise DeltaError(REMOTE_REFUSAL)
+    program = parse(source, filename)
+    if data is not None or uses_dataset(program):
+        if prompt is not None:
+            raise DeltaError("prompt= does not apply to a program over a dataset: its prompts are the records'")
+        return run_dataset(source, model_for(source, model, filename, program=program), filename=filename,
+                           data=data, strict=strict, batch=batch)
     return compile(source, model, filename=filename, prompt=prompt, batch=batch, remote=remote).run()
 
 

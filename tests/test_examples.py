@@ -79,7 +79,7 @@ def test_the_comparison_can_fail() -> None:
 @pytest.mark.parametrize("name", sorted(README))
 def test_example_prints_what_the_readme_shows(name: str, model: deltalang.DeltaModel) -> None:
     path = ROOT / "examples" / f"{name}.dl"
-    results = deltalang.run(path.read_text(), model, filename=path.name)
+    results = deltalang.run(path.read_text(), model, filename=str(path))  # a dataset's file is beside it
     got = results.summary().splitlines()
     assert len(got) == len(README[name]), "\n".join(got)
     for g, w in zip(got, README[name]):

@@ -28,22 +28,33 @@ The package, in the order one resolution goes: `scope` (the names, prompts and
 errors one resolution collects, passed to every step), `declare` (the first
 pass: the model line, prompts, runs, `as` names), `runs` (each run's header
 and statements, measures), `sites` (selectors, values, positions), `sources`
-(what a write writes). The result types and naming rules are `deltalang.ir`'s;
-prompts become tokens in `deltalang.tokens`.
+(what a write writes), `dataset` (a program over a dataset). The result types and
+naming rules are `deltalang.ir`'s; prompts become tokens in `deltalang.tokens`.
+
+A program over a dataset (a `dataset` line or a record's field) is not one
+program: `resolve()` refuses it, and `resolve_records()` resolves the plain
+program of each record (`dataset.expand`), the records that alone fail kept
+apart with their errors.
 """
 
 from __future__ import annotations
 
+from typing import Mapping
+
+import attrs
+
 from .. import ast
+from ..datasets import Dataset, Record
 from ..errors import DeltaError, DeltaErrors
 from ..ir import Resolved, ResolvedRun
 from ..spec import ModelSpec
+from .dataset import check_over, expand, uses_dataset
 from .declare import declare
 from .runs import Draft, implicit_run, resolve_main, resolve_run
 from .scope import Scope
 from .sources import finish_deferred
 
-__all__ = ["resolve"]
+__all__ = ["RecordResolution", "resolve", "resolve_records", "uses_dataset"]
 
 
 def resolve(program: ast.Program, spec: ModelSpec, *, prompt_override: str | None = None,
@@ -54,9 +65,49 @@ def resolve(program: ast.Program, spec: ModelSpec, *, prompt_override: str | Non
     `source` and `filename`, when given, locate the errors for rendering.
     """
     try:
+        if uses_dataset(program):
+            first = next(n for n in ast.walk(program) if isinstance(n, (ast.DatasetDecl, ast.Field)))
+            raise DeltaError("a program over a dataset resolves once per record: run it with `deltalang run` or "
+                             "deltalang.run(..., data=...)", first.span)
         return resolve_program(Scope(program, spec, prompt_override, source, filename))
     except DeltaError as e:
         raise (e.located(source, filename) if source else e) from None
+
+
+@attrs.frozen
+class RecordResolution:
+    """One record of a dataset and its plain program, resolved (`resolved`) or not (`error`)."""
+
+    record: Record
+    resolved: Resolved | None
+    error: DeltaError | None
+
+
+def resolve_records(program: ast.Program, datasets: Mapping[str, Dataset], spec: ModelSpec, *,
+                    source: str = "", filename: str = "<program>") -> tuple[Dataset, list[RecordResolution]]:
+    """Each record's plain program (`dataset.expand`), resolved; the dataset the runs are on.
+
+    What fails for every record is the program's error and is raised (the first
+    record's, with a note naming it); a record that alone fails is returned with
+    its error. Errors that hold for every record (`dataset.check_over`) are raised first.
+    """
+    try:
+        ds = check_over(program, datasets)
+    except DeltaError as e:
+        raise (e.located(source, filename) if source else e) from None
+    out: list[RecordResolution] = []
+    for record in ds.records:
+        try:
+            out.append(RecordResolution(record, resolve(expand(program, ds, record), spec, source=source,
+                                                        filename=filename), None))
+        except DeltaError as e:
+            out.append(RecordResolution(record, None, e))
+    if all(r.error is not None for r in out):
+        err = out[0].error
+        assert err is not None
+        err.notes = (*err.notes, f"in every record of '{ds.name}'; the first is at {ds.where(ds.records[0])}")
+        raise err
+    return ds, out
 
 
 def resolve_program(scope: Scope) -> Resolved:

@@ -1,0 +1,272 @@
+"""Run a program over a dataset: one plain program per record, one row per record and measure, and statistics.
+
+    out = run_dataset(source, model, filename="causal.dl")          # dataset files relative to causal.dl
+    out = run_dataset(source, model, data={"facts": records})        # list of dicts or a pandas DataFrame
+    out.rows, out.stats, out.skipped; print(out.summary()); out.save("out/")
+
+Each record's program is the plain one-prompt program `deltalang.resolve.dataset.expand`
+writes for it, compiled and run as any program is, so a record's result is exactly that
+program's result. Records whose runs all have one token length share forwards (their
+programs merged into one, each run renamed `NAME#k`, at most `MAX_GROUP` records); any
+other record runs alone, since runs of different lengths in one forward are padded.
+
+Records whose program does not resolve (a field's text not in the prompt, an answer of
+several tokens) are left out and reported by their data-file line, with the count; with
+`strict=True` the first of them is the error instead, before anything runs. Everything
+that is the program's or the data's error (see `deltalang.datasets` and
+`resolve_records`) is a DeltaError before anything runs; nothing is written then.
+
+Results (`DatasetResults`): `rows` in long format (`record`, `line`, the record's fields,
+`measure`, `value`), and per measure (named as the template writes it:
+`t.logit_diff(facts.answer, facts.foil)`) its mean, sample standard deviation, n and a
+95% confidence interval of the mean (Student's t). `save(DIR)` writes `results.csv`,
+`summary.csv`, `summary.json` and `program.dl`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from .compiled import Experiment
+from .datasets import Dataset, dataset_from_python, load_dataset
+from .errors import DeltaError, warn
+from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
+from .model import DeltaModel
+from .parse import parse
+from .resolve import RecordResolution, resolve_records
+from .resolve.dataset import dataset_decls, measure_label
+from .results import check_out_dir
+
+MAX_GROUP = 32  # records per program when records share forwards
+FILES = ("results.csv", "summary.csv", "summary.json", "program.dl")
+
+
+@attrs.frozen
+class MeasureStats:
+    """One measure over the records: mean, sample std, n, and the 95% CI of the mean."""
+
+    measure: str
+    mean: float
+    std: float
+    n: int
+    ci_low: float
+    ci_high: float
+
+
+def t_quantile_975(df: int) -> float:
+    """The 0.975 quantile of Student's t with `df` degrees of freedom (Simpson's rule on the density, bisection)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf_from_zero(x: float, steps: int = 2000) -> float:
+        h = x / steps
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(steps + 1)]
+        return h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf_from_zero(hi) < 0.475:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf_from_zero(mid) < 0.475 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def stats_of(measure: str, values: list[float]) -> MeasureStats:
+    """Mean, sample standard deviation, n and 95% CI (NaN where n is too small for them)."""
+    n = len(values)
+    mean = sum(values) / n if n else math.nan
+    if n < 2:
+        return MeasureStats(measure, mean, math.nan, n, math.nan, math.nan)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t_quantile_975(n - 1) * std / math.sqrt(n)
+    return MeasureStats(measure, mean, std, n, mean - half, mean + half)
+
+
+@attrs.frozen
+class DatasetResults:
+    """What a run over a dataset gives: rows, per-measure statistics, the records left out."""
+
+    dataset: Dataset
+    rows: tuple[dict[str, Any], ...]
+    stats: tuple[MeasureStats, ...]
+    skipped: tuple[tuple[int, str], ...]  # (record index, why), in record order
+    program: str = ""
+
+    def values(self, measure: str) -> list[float]:
+        """A measure's value for each record that ran, in record order."""
+        return [r["value"] for r in self.rows if r["measure"] == measure]
+
+    def summary(self) -> str:
+        """What `deltalang run` prints: one line per measure, then the records left out."""
+        n_rec = len(self.dataset.records)
+        lines = [f"{len(self.dataset.records) - len(self.skipped)} of {n_rec} records of '{self.dataset.name}'"]
+        for s in self.stats:
+            lines.append(f"{s.measure:48} mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  "
+                         f"95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]")
+        if self.skipped:
+            lines.append(f"left out {len(self.skipped)} of {n_rec} records (--strict stops instead):")
+            for i, why in self.skipped:
+                lines.append(f"  {self.dataset.where(self.dataset.records[i])}: {why}")
+        return "\n".join(lines)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `FILES` into `directory`, each replacing its former version at once."""
+        out = check_out_dir(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".deltalang-", dir=out))
+        try:
+            self._write(tmp)
+            for name in FILES:
+                os.replace(tmp / name, out / name)
+        finally:
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+        return out
+
+    def _write(self, tmp: Path) -> None:
+        fields = list(self.dataset.fields)
+        with open(tmp / "results.csv", "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, ["record", "line", *fields, "measure", "value"], restval="")
+            w.writeheader()
+            w.writerows(self.rows)
+        cols = ["measure", "mean", "std", "n", "ci_low", "ci_high"]
+        with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
+            w2 = csv.writer(f)
+            w2.writerow(cols)
+            w2.writerows([getattr(s, c) for c in cols] for s in self.stats)
+        summary = {"dataset": self.dataset.name, "origin": self.dataset.origin,
+                   "records": len(self.dataset.records), "measures": [attrs.asdict(s) for s in self.stats],
+                   "left_out": [{"record": i, "line": self.dataset.records[i].line, "why": why}
+                                for i, why in self.skipped]}
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+        (tmp / "program.dl").write_text(self.program, encoding="utf-8")
+
+
+def load_datasets(source: str, filename: str, data: Mapping[str, Any] | None) -> dict[str, Dataset]:
+    """The program's datasets: `data`'s (from Python) first, else each declared file, relative to the .dl file."""
+    program = parse(source, filename)
+    out = {name: dataset_from_python(name, d) for name, d in (data or {}).items()}
+    base = Path(filename).parent if not filename.startswith("<") else Path.cwd()
+    for decl in dataset_decls(program):
+        if decl.name not in out:
+            path = Path(decl.path) if Path(decl.path).is_absolute() else base / decl.path
+            out[decl.name] = load_dataset(decl.name, path, shown=str(path))
+    return out
+
+
+def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
+                data: Mapping[str, Any] | None = None, strict: bool = False, batch: bool = True,
+                datasets: Mapping[str, Dataset] | None = None) -> DatasetResults:
+    """Run `source` over its dataset on `model` (see the module doc); `datasets`: already `load_datasets`'."""
+    program = parse(source, filename)
+    if datasets is None:
+        datasets = load_datasets(source, filename, data)
+    ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
+    _warn_once(ds, resolutions)
+    skipped = tuple((r.record.index, _one_line(r.error)) for r in resolutions if r.error is not None)
+    if skipped and strict:
+        i, why = skipped[0]
+        raise DeltaError(f"{ds.where(ds.records[i])}: record {i + 1} of '{ds.name}' does not resolve (--strict): "
+                         f"{why}")
+    rows: list[dict[str, Any]] = []
+    for group in record_groups([r for r in resolutions if r.resolved is not None], batch):
+        merged = merge([(r.record.index, r.resolved) for r in group if r.resolved is not None])
+        try:
+            results = Experiment(source, model, filename=filename, resolved=merged, batch=batch).run()
+        except DeltaError as e:
+            e.notes = (*e.notes, f"in record {group[0].record.index + 1} ({ds.where(group[0].record)})"
+                       + (f" or one of the {len(group) - 1} run with it" if len(group) > 1 else ""))
+            raise
+        for r in group:
+            assert r.resolved is not None
+            k = r.record.index if len(group) > 1 else None
+            for run in r.resolved.runs:
+                for m in run.measures:
+                    rows.append({"record": r.record.index, "line": r.record.line, **r.record.fields,
+                                 "measure": measure_label(program, run.name, m),
+                                 "value": float(results[_renamed(m.result_name, run.name, k)])})
+    rows.sort(key=lambda row: row["record"])  # groups keep each record's measures in order
+    labels = list(dict.fromkeys(row["measure"] for row in rows))
+    stats = tuple(stats_of(lab, [row["value"] for row in rows if row["measure"] == lab]) for lab in labels)
+    return DatasetResults(ds, tuple(rows), stats, skipped, source)
+
+
+def _warn_once(ds: Dataset, resolutions: list[RecordResolution]) -> None:
+    """Each record's warnings, each message once, naming the first record that gave it."""
+    seen: set[str] = set()
+    for r in resolutions:
+        for w in r.resolved.warnings if r.resolved is not None else ():
+            if w.message not in seen:
+                seen.add(w.message)
+                w.notes = (*w.notes, f"in record {r.record.index + 1} ({ds.where(r.record)})")
+                warn(w)
+
+
+def record_groups(resolutions: list[RecordResolution], batch: bool) -> list[list[RecordResolution]]:
+    """Records that share forwards: those whose runs all have one token length, by that length (at most
+    `MAX_GROUP` a group); any other record runs alone (different lengths in one forward are padded)."""
+    groups: dict[int, list[RecordResolution]] = {}
+    alone: list[list[RecordResolution]] = []
+    for r in resolutions:
+        assert r.resolved is not None
+        lengths = {len(run.token_ids) for run in r.resolved.runs}
+        if not batch or len(lengths) != 1 or not _mergeable(r.resolved):
+            alone.append([r])
+        else:
+            groups.setdefault(lengths.pop(), []).append(r)
+    out = [g[i:i + MAX_GROUP] for g in groups.values() for i in range(0, len(g), MAX_GROUP)]
+    return out + alone
+
+
+def _mergeable(resolved: Resolved) -> bool:
+    """Whether the program's runs can be renamed apart: no `as` names, `= NAME` or mean sources, no generate."""
+    for run in resolved.runs:
+        if run.kind != "trace" or any(m.alias is not None for m in run.measures):
+            return False
+        if any(op.alias is not None or isinstance(op.source, (Named, Mean)) for op in run.ops):
+            return False
+    return True
+
+
+def _renamed(name: str, run: str, k: int | None) -> str:
+    """Record `k`'s name for `name` (a run's name, or a result name starting with it): `t#3`, `t#3.prob(...)`."""
+    if k is None:
+        return name
+    assert name == run or name.startswith(run + ".")
+    return f"{run}#{k}{name[len(run):]}"
+
+
+def merge(parts: list[tuple[int, Resolved]]) -> Resolved:
+    """Several records' programs as one (each run renamed `NAME#k`); a single program as it is."""
+    if len(parts) == 1:
+        return parts[0][1]
+    runs: list[ResolvedRun] = []
+    prompts: dict[str, Any] = {}
+    for k, res in parts:
+        for run in res.runs:
+            ops = tuple(attrs.evolve(op, result_name=None if op.result_name is None else
+                                     _renamed(op.result_name, run.name, k),
+                                     source=attrs.evolve(op.source, run=_renamed(op.source.run, op.source.run, k))
+                                     if isinstance(op.source, FromRun) else op.source) for op in run.ops)
+            measures = tuple(attrs.evolve(m, result_name=_renamed(m.result_name, run.name, k),
+                                          against=None if m.against is None else _renamed(m.against, m.against, k))
+                             for m in run.measures)
+            runs.append(attrs.evolve(run, name=_renamed(run.name, run.name, k), ops=ops, measures=measures,
+                                     prompt=_renamed(run.prompt, run.prompt, k)))
+        prompts.update({_renamed(n, n, k): t for n, t in res.prompts.items()})
+    first = parts[0][1]
+    return attrs.evolve(first, prompts=prompts, runs=tuple(runs))
+
+
+def _one_line(e: DeltaError | None) -> str:
+    """An error's message on one line, without its location (the record's line stands for it)."""
+    return "" if e is None else " ".join(str(e.message).split())

@@ -1,0 +1,188 @@
+"""A program over a dataset, made into one plain program per record: `check_over`, `expand`, `measure_label`.
+
+    dataset facts = "facts.jsonl"
+    trace t on facts { write L[linear].state_after(facts.subject) from facts.corrupt
+                       measure logit_diff(facts.answer, facts.foil) }
+
+For a record, `expand` rewrites the program into the plain one-prompt program a
+researcher would write for that record alone: the dataset becomes
+`prompt facts = "<its prompt field>"`, a donor field `from facts.corrupt` becomes
+a prompt of its own (`prompt facts_corrupt = "<its corrupt field>"`; from it the
+donor reads the same position number, as `from PROMPT` always does), a field as a
+position `state_after(facts.subject)` becomes the quoted piece
+`state_after("<its subject>")`, and a field as a measured token becomes that
+token. Spans are kept, so the resolver's errors point at the field as written.
+Each record's program then resolves as any program does (`resolve_records` in
+this package); a record whose program does not resolve (its subject is not in
+its prompt, its answer is several tokens) is that record's problem.
+
+`check_over` checks what holds for every record, before any record is expanded:
+one dataset per program (runs on it are traces; no `read` in them, whose tensors
+a dataset would multiply), fields only inside runs on their dataset, every
+field used present in some record (else an error naming the fields there are)
+and in every record (else an error naming the first record without it, by its
+data-file line). `measure_label` names a measure as written in the template
+(`t.logit_diff(facts.answer, facts.foil)`), the same for every record.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Mapping
+
+import attrs
+
+from .. import ast
+from ..datasets import Dataset, Record
+from ..errors import DeltaError, DeltaResolveError, Span
+from ..ir import ResolvedMeasure, measure_call_text, measure_result_name, site_text
+from ..values import MODEL_VALUES
+
+PROMPT_FIELD = "prompt"
+MEASURE_TYPES = (ast.Prob, ast.Rank, ast.LogitDiff, ast.KL, ast.Norm)
+
+
+def dataset_decls(program: ast.Program) -> list[ast.DatasetDecl]:
+    """The program's `dataset` declarations, in source order."""
+    return [i for i in program.items if isinstance(i, ast.DatasetDecl)]
+
+
+def uses_dataset(program: ast.Program) -> bool:
+    """Whether the program declares a dataset or names a field (then it runs per record)."""
+    return any(isinstance(n, (ast.DatasetDecl, ast.Field)) for n in ast.walk(program))
+
+
+def _fail(message: str, span: Span, notes: tuple[str, ...] = ()) -> DeltaError:
+    return DeltaResolveError(message, span if span != ast.NOSPAN else None, notes=notes)
+
+
+def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset:
+    """Check the program's use of its dataset (see the module doc); return the dataset its runs are on."""
+    decls = {d.name: d for d in dataset_decls(program)}
+    names = set(decls) | set(datasets)
+    runs = [i for i in program.items if isinstance(i, ast.RUN_TYPES) and i.prompt in names]
+    if not runs:
+        where = next(iter(decls.values())).span if decls else program.span
+        raise _fail("the program declares a dataset but no run is on it: trace NAME on DATASET { ... }", where)
+    ds_name = runs[0].prompt
+    for run in runs:
+        if not isinstance(run, ast.Trace):
+            kind = type(run).__name__.lower()
+            raise _fail(f"a {kind} over a dataset is not supported yet: runs on '{run.prompt}' are traces", run.span)
+        if run.prompt != ds_name:
+            raise _fail(f"runs over two datasets ('{ds_name}', '{run.prompt}'): a program runs over one", run.span)
+        for st in run.body:
+            if isinstance(st, ast.Read) or (isinstance(st, ast.Step) and isinstance(st.body, ast.Read)):
+                raise _fail("a run over a dataset keeps measures, one per record: use 'measure' (e.g. "
+                            "norm(SITE)), not 'read'", st.span)
+    if ds_name not in datasets:
+        raise _fail(f"no data for the dataset '{ds_name}'", decls[ds_name].span if ds_name in decls else runs[0].span)
+    ds = datasets[ds_name]
+    inside = {id(n) for r in runs for n in ast.walk(r.body)}
+    used: list[tuple[str, Span]] = [(PROMPT_FIELD, runs[0].span)]
+    for node in ast.walk(program):
+        if isinstance(node, ast.Field):
+            if node.dataset != ds_name or id(node) not in inside:
+                raise _fail(f"'{node.dataset}.{node.field}': a dataset's fields are used inside a run on it "
+                            f"(trace NAME on {ds_name} {{ ... }})", node.span)
+            used.append((node.field, node.span))
+    for item in program.items:
+        if isinstance(item, ast.RUN_TYPES):
+            for node in ast.walk(item.body):
+                if isinstance(node, ast.FromSource) and node.run == ds_name and item.prompt == ds_name:
+                    site = node.site
+                    if site is not None and site.block is None and site.position is None and \
+                            site.value not in MODEL_VALUES:  # `from facts.corrupt`: a field, known or not
+                        used.append((site.value, site.span))
+    _check_fields(ds, used)
+    return ds
+
+
+def _check_fields(ds: Dataset, used: list[tuple[str, Span]]) -> None:
+    """Every field used is in some record (else unknown) and in every record (else the first without it)."""
+    have = ds.fields
+    for field, span in used:
+        if field not in have:
+            guess = difflib.get_close_matches(field, have, n=1)
+            hint = f"did you mean '{guess[0]}'? " if guess else ""
+            raise _fail(f"no record of '{ds.name}' has a field '{field}': {hint}its fields are "
+                        f"{', '.join(have)}", span)
+        missing = next((r for r in ds.records if field not in r.fields), None)
+        if missing is not None:
+            raise _fail(f"record {missing.index + 1} of '{ds.name}' ({ds.where(missing)}) has no field '{field}'",
+                        span)
+
+
+def expand(program: ast.Program, ds: Dataset, record: Record) -> ast.Program:
+    """The plain program for one record (see the module doc)."""
+    taken = {getattr(i, "name", None) for i in program.items}
+    donors: dict[str, str] = {}  # field -> prompt name
+
+    def donor(field: str) -> str:
+        if field not in donors:
+            name = f"{ds.name}_{field}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            donors[field] = name
+        return donors[field]
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, ast.Field):
+            return record.fields[node.field]
+        if isinstance(node, ast.Site) and isinstance(node.position, ast.Field):
+            pos = ast.PiecePos(record.fields[node.position.field], span=node.position.span)
+            return attrs.evolve(node, position=pos)
+        if (isinstance(node, ast.FromSource) and node.run == ds.name and node.site is not None
+                and node.site.block is None and node.site.position is None and node.site.value in ds.fields):
+            return ast.FromSource(donor(node.site.value), None, span=node.span)
+        return None
+
+    items: list[Any] = []
+    for item in program.items:
+        if isinstance(item, ast.DatasetDecl):
+            if item.name == ds.name:
+                items.append(ast.PromptDecl(ds.name, record.fields[PROMPT_FIELD], span=item.span))
+                items.append(item)  # a placeholder: the donor prompts go here
+            continue
+        items.append(_map(item, rewrite))
+    if not any(isinstance(i, ast.DatasetDecl) for i in items):  # data given from Python: no declaration
+        items.insert(0, ast.PromptDecl(ds.name, record.fields[PROMPT_FIELD]))
+        items.insert(1, ast.DatasetDecl(ds.name, ""))
+    at = next(n for n, i in enumerate(items) if isinstance(i, ast.DatasetDecl))
+    extra = [ast.PromptDecl(name, record.fields[f], span=items[at].span) for f, name in donors.items()]
+    items[at:at + 1] = extra
+    return attrs.evolve(program, items=tuple(items))
+
+
+def _map(node: Any, fn: Callable[[Any], Any]) -> Any:
+    """`node` with every sub-node `fn` rewrites (not None) replaced, depth first from the top."""
+    new = fn(node)
+    if new is not None:
+        node = new
+        if not attrs.has(type(node)):
+            return node
+    if attrs.has(type(node)):
+        changes = {f.name: _map(getattr(node, f.name), fn) for f in attrs.fields(type(node))
+                   if f.name not in ("span", "comments")}
+        return attrs.evolve(node, **changes)
+    if isinstance(node, tuple):
+        return tuple(_map(x, fn) for x in node)
+    return node
+
+
+def measure_label(program: ast.Program, run: str, m: ResolvedMeasure) -> str:
+    """A record's measure named as the template writes it: `t.logit_diff(facts.answer, facts.foil)`."""
+    call = next((n for n in ast.walk(program) if isinstance(n, MEASURE_TYPES) and n.span == m.span
+                 and m.span != ast.NOSPAN), None)
+    multi = m.alias is not None and m.result_name != m.alias
+    if call is None:
+        return m.result_name
+    if isinstance(call, ast.Norm):
+        pos = None if call.site.position is None else ast.format_position(call.site.position)
+        text = f"norm({site_text(m.layer, m.value or '', pos)})"
+    elif isinstance(call, ast.KL):
+        text = measure_call_text("kl", (), m.against, "")
+    else:
+        text = ast.format_measure(call)
+    return measure_result_name(run, m.step, text, m.alias, m.layer, multi)

@@ -1,0 +1,236 @@
+"""The language reference, docs/language.md, runs: its programs check and run, its outputs are deltalang's.
+
+Every fenced `dl` block of the page is a complete program for the bundled model, run in a fresh
+directory that holds the page's data files (a block whose info string is `jsonl FILE`, `csv FILE` or
+`tsv FILE` is written there as FILE). A `text` block right after a program, whose first line is
+`$ deltalang COMMAND FILE ...`, shows what that command prints for it: the test writes the program
+to FILE there, runs the command in-process, and compares line by line (text exactly,
+each decimal number to one unit of its last printed digit, as tests/test_examples.py
+compares the README): stdout when the command succeeds, stderr when it fails, and it
+must fail (exit 1) exactly when the shown output has an `error:` line. Every other
+program must check without an error or warning and run. `UPDATE_DOCS=1` rewrites the
+shown outputs from what deltalang prints now.
+
+The page's statements about units are checked against transformers itself
+(`tests/reference.py`), never against deltalang's own output; and every statement,
+keyword, measure, route, block kind and value the code knows must be named on the page.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shlex
+import warnings
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import Reference, Write, zeros
+from test_cli import cli
+from test_examples import assert_line_matches
+
+import deltalang
+from deltalang import values
+from deltalang.bundled import PATH as BUNDLED
+from deltalang.bundled import world
+from deltalang.errors import DeltaWarning
+
+parse = importlib.import_module("deltalang.parse")  # `deltalang.parse` is also the function
+
+ROOT = Path(__file__).parents[1]
+DOC = ROOT / "docs" / "language.md"
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+ERROR_LINE = re.compile(r"^\S+:\d+:\d+: error: ", re.M)
+
+bundled = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
+
+
+@attrs.frozen
+class Example:
+    """A `dl` block of the page (`line`: where its text starts), with the output shown after it, if any."""
+
+    line: int
+    program: str
+    command: tuple[str, ...] = ()  # ("check", "sources.dl"): the shown command, after `deltalang`
+    shown: str | None = None  # the output lines under the command
+    shown_block: str = ""  # the whole shown block as it stands in the page (UPDATE_DOCS replaces it)
+
+    @property
+    def fails(self) -> bool:
+        """Whether the shown output is a refusal (an `error:` line)."""
+        return self.shown is not None and ERROR_LINE.search(self.shown) is not None
+
+
+def examples(text: str) -> list[Example]:
+    """Every `dl` block of `text`, each with the `$ deltalang ...` output block right after it, if any."""
+    fences = list(FENCE.finditer(text))
+    out: list[Example] = []
+    for i, m in enumerate(fences):
+        if m[1].strip() != "dl":
+            continue
+        line = text.count("\n", 0, m.start(2)) + 1
+        nxt = fences[i + 1] if i + 1 < len(fences) else None
+        if nxt is not None and nxt[1].strip() == "text" and not text[m.end():nxt.start()].strip():
+            first, _, rest = nxt[2].partition("\n")
+            if first.startswith("$ deltalang "):
+                out.append(Example(line, m[2], tuple(shlex.split(first)[2:]), rest, nxt[0]))
+                continue
+        out.append(Example(line, m[2]))
+    return out
+
+
+def data_files(text: str) -> dict[str, str]:
+    """{file name: text} of the page's data blocks (info string `jsonl FILE`, `csv FILE` or `tsv FILE`)."""
+    out = {}
+    for m in FENCE.finditer(text):
+        words = m[1].split()
+        if len(words) == 2 and words[0] in ("jsonl", "csv", "tsv"):
+            out[words[1]] = m[2]
+    return out
+
+
+EXAMPLES = examples(DOC.read_text(encoding="utf-8"))
+DATA = data_files(DOC.read_text(encoding="utf-8"))
+SHOWN = [e for e in EXAMPLES if e.shown is not None]
+PLAIN = [e for e in EXAMPLES if e.shown is None or (e.command[0] == "check" and not e.fails)]  # SHOWN runs the rest
+
+
+def compare(got: str, shown: str) -> None:
+    """`got` (what deltalang printed) against `shown` (the page), line by line."""
+    got_lines, shown_lines = got.rstrip("\n").split("\n"), shown.rstrip("\n").split("\n")
+    for g, s in zip(got_lines, shown_lines):
+        assert_line_matches(g, s)
+    assert len(got_lines) == len(shown_lines), f"deltalang printed:\n{got}\nthe page shows:\n{shown}"
+
+
+@pytest.fixture(scope="module")
+def model() -> deltalang.DeltaModel:
+    return deltalang.load_model()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh directory, made current, holding the page's data files."""
+    for name, text in DATA.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_page_has_examples_and_outputs() -> None:
+    assert len(EXAMPLES) >= 10 and len(SHOWN) >= 6
+    assert {e.command[0] for e in SHOWN} == {"check", "run"}
+    assert any(e.fails for e in SHOWN)
+    assert all(len(e.command) >= 2 and e.command[1].endswith(".dl") for e in SHOWN)
+
+
+def test_the_comparison_can_fail() -> None:
+    shown = "p_paris                                          0.999998\nmemory.L0      0.0232752"
+    compare(shown, shown)
+    for got in ("p_paris                                          0.999998",  # a line missing
+                shown + "\nmemory.L1      0.8",  # a line more
+                shown.replace("L0", "L1"), shown.replace("0.999998", "0.999990")):
+        with pytest.raises(AssertionError):
+            compare(got, shown)
+    page = "```dl\nread L0.states\n```\n\n```text\n$ deltalang run x.dl\nmain.L0.states  1\n```\n"
+    (ex,) = examples(page)
+    assert ex.command == ("run", "x.dl") and ex.shown == "main.L0.states  1\n" and not ex.fails
+    assert examples(page.replace("$ deltalang", "$ python"))[0].shown is None
+    assert data_files(page + '```jsonl f.jsonl\n{"prompt": "x"}\n```\n') == {"f.jsonl": '{"prompt": "x"}\n'}
+
+
+@bundled
+@pytest.mark.parametrize("ex", PLAIN, ids=lambda e: f"line{e.line}")
+def test_every_program_on_the_page_checks_and_runs(ex: Example, model: deltalang.DeltaModel, workdir: Path) -> None:
+    with warnings.catch_warnings():
+        if ex.shown is None or "warning:" not in ex.shown:  # no warning the page does not show
+            warnings.simplefilter("error", DeltaWarning)
+        prompt = ex.command[ex.command.index("--prompt") + 1] if "--prompt" in ex.command else None
+        filename = str(workdir / "example.dl")
+        deltalang.check(ex.program, model, prompt=prompt, filename=filename)
+        results = deltalang.run(ex.program, model=model, prompt=prompt, filename=filename)
+    assert len(results) > 0
+
+
+@bundled
+@pytest.mark.parametrize("ex", SHOWN, ids=lambda e: f"line{e.line}-{e.command[0]}")
+def test_the_page_shows_what_deltalang_prints(ex: Example, workdir: Path) -> None:
+    Path(ex.command[1]).write_text(ex.program, encoding="utf-8")
+    rc, out, err = cli(*ex.command)
+    got = out if rc == 0 else err
+    assert "Traceback" not in err
+    if os.environ.get("UPDATE_DOCS"):
+        new = f"```text\n$ deltalang {shlex.join(ex.command)}\n{got.rstrip()}\n```"
+        DOC.write_text(DOC.read_text(encoding="utf-8").replace(ex.shown_block, new, 1), encoding="utf-8")
+        return
+    assert rc == (1 if ex.fails else 0), got
+    assert ex.shown is not None
+    compare(got, ex.shown)
+
+
+def backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("statement or declaration", parse.STATEMENTS), ("keyword", tuple(parse.KEYWORDS)),
+    ("measure", parse.MEASURES), ("route", parse.KERNELS), ("block kind", parse.BLOCK_KINDS),
+    ("value", tuple(values.CATALOGUE)), ("model-level value", tuple(values.MODEL_VALUES)),
+])
+def test_the_page_names_everything_the_language_has(kind: str, words: tuple[str, ...]) -> None:
+    spans = backticked(DOC.read_text(encoding="utf-8"))
+    missing = [w for w in words if not any(re.search(rf"(?<![\w.]){re.escape(w)}(?!\w)", s) for s in spans)]
+    assert not missing, f"docs/language.md does not name the {kind}(s) {missing}"
+
+
+# ---- the units the page states, against transformers -------------------------------------------
+
+CLEAN = world.EIFFEL_PROMPT
+UNITS = f"""prompt clean = "{CLEAN}"
+trace base on clean {{
+    measure prob(" Paris"), rank(" Paris"), rank(" Rome"), logit_diff(" Paris", " Rome")
+    measure norm(L0.state_output), norm(L0.attention_output), norm(L0.states)
+}}
+trace patched on clean {{
+    write L[linear].state_after(-2) = zeros
+    measure kl(base)
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def ref() -> Reference:
+    from transformers import AutoModelForCausalLM
+
+    return Reference(AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32))
+
+
+@bundled
+def test_the_measures_have_the_units_the_page_states(model: deltalang.DeltaModel, ref: Reference) -> None:
+    """prob: softmax; rank: 0-based count of larger logits; logit_diff: raw logits; kl(base) in patched:
+    KL(base || patched) in nats; norm: Frobenius over all but the batch, per token for `states`."""
+    ids = model.tokenizer(CLEAN, return_tensors="pt").input_ids
+    n = ids.shape[1]
+    base = ref.run(ids)
+    patched = ref.run(ids, [Write(i, "state_after", zeros, n - 2) for i in ref.linear])
+    last = base.value(None, "logits")[0, -1].float()
+    p_last = patched.value(None, "logits")[0, -1].float()
+    paris, rome = (model.tokenizer(t, add_special_tokens=False).input_ids[0] for t in (" Paris", " Rome"))
+    r = deltalang.run(UNITS, model=model)
+    assert r['base.prob(" Paris")'] == pytest.approx(float(last.softmax(-1)[paris]), abs=1e-6)
+    assert r['base.rank(" Paris")'] == 0 == int((last > last[paris]).sum())
+    assert r['base.rank(" Rome")'] == int((last > last[rome]).sum()) > 0
+    assert r['base.logit_diff(" Paris", " Rome")'] == pytest.approx(float(last[paris] - last[rome]), rel=1e-4)
+    kl_nats = float(F.kl_div(p_last.log_softmax(-1), last.log_softmax(-1), log_target=True, reduction="sum"))
+    reverse = float(F.kl_div(last.log_softmax(-1), p_last.log_softmax(-1), log_target=True, reduction="sum"))
+    assert abs(kl_nats - reverse) > 0.05 * kl_nats > 0  # the direction is visible on this write
+    assert r["patched.kl(base)"] == pytest.approx(kl_nats, rel=1e-3)
+    assert r["base.norm(L0.state_output)"] == pytest.approx(float(base.value(0, "state_output").norm()), rel=1e-4)
+    assert r["base.norm(L0.attention_output)"] == pytest.approx(float(base.value(0, "attention_output").norm()),
+                                                                rel=1e-4)
+    per_token = base.value(0, "states")[0].flatten(1).norm(dim=-1)
+    assert torch.allclose(torch.as_tensor(r["base.norm(L0.states)"]).flatten(), per_token, rtol=1e-4, atol=1e-7)
