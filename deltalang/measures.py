@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .errors import DeltaValueError
+
 
 def _last(logits: torch.Tensor) -> torch.Tensor:
     x = logits.float()
@@ -49,8 +51,13 @@ def kl(logits: torch.Tensor, reference: torch.Tensor) -> float | torch.Tensor:
     return _scalar((p.exp() * (p - q)).sum(-1))
 
 
-def norm(x: torch.Tensor) -> float | torch.Tensor:
-    """The Frobenius norm of a value per prompt; per token for values with a sequence axis and more."""
+def norm(x: torch.Tensor | None) -> float | torch.Tensor:
+    """The Frobenius norm of a value per prompt over every axis but the batch; per token (`[b, s]`) only
+    for `states` of more than one token. A value that does not exist (`state_input` of a fresh prompt,
+    which starts from no state) is a DeltaValueError, not a norm of nothing."""
+    if x is None:
+        raise DeltaValueError("norm of a value this call does not have: state_input is None on a prompt, "
+                              "which starts from no state (it exists at decode steps, or once written)")
     x = x.float()
     if x.dim() >= 4 and x.shape[1] > 1 and x.dim() == 5:  # states: [b, s, h, k, v] -> [b, s]
         return x.flatten(2).norm(dim=-1)

@@ -334,3 +334,10 @@ def test_check_refuses_what_the_planner_refuses(tmp_path: Path) -> None:
     code, out, err = cli("check", program)
     assert code == 1 and "ok:" not in out
     assert "cycle.dl:3:16: error: runs need each other's values in a cycle" in err
+
+
+def test_norm_of_a_value_the_call_does_not_have_is_the_programs_error() -> None:
+    """`state_input` of a fresh prompt is None: its norm is an error at the program line, not a bug."""
+    code, out, err = cli("run", "-e", "measure norm(L0.state_input)", "--prompt", "The Eiffel Tower")
+    assert code == 1 and "internal error" not in err
+    assert err.startswith("<-e>:1:9: error: norm of a value this call does not have: state_input is None")
