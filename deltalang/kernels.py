@@ -325,6 +325,13 @@ def _read_query(fam: families.Family, q: torch.Tensor, use_qk_l2norm: bool) -> t
     return q * (q.shape[-1] ** -0.5)
 
 
+def _start_state(initial_state: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The state a delta-rule call starts from, float32: `initial_state`, or zeros of `shape`."""
+    if initial_state is None:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return initial_state.to(torch.float32)
+
+
 # chunk length of the chunked `per_token`: materialising the states costs s * CHUNK * dk * dv
 # multiply-adds per head, the scan over chunks s / CHUNK sequential steps
 CHUNK = 16
@@ -346,8 +353,7 @@ def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, valu
     q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
     b, h, s, dk = k.shape
     dv = v.shape[-1]
-    S = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=v.device) if initial_state is None
-         else initial_state.to(torch.float32))
+    S = _start_state(initial_state, (b, h, dk, dv), v.device)
     if gg.dim() == 3:  # one decay per head: a channel axis of one
         gg = gg[..., None]
     C = chunk_size
@@ -402,8 +408,7 @@ def per_token_loop(fam: families.Family, query: torch.Tensor, key: torch.Tensor,
     q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
     b, h, s, dk = k.shape
     dv = v.shape[-1]
-    S = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=v.device) if initial_state is None
-         else initial_state.to(torch.float32))
+    S = _start_state(initial_state, (b, h, dk, dv), v.device)
     states = torch.empty(b, s, h, dk, dv, dtype=torch.float32, device=v.device)
     out = torch.empty(b, h, s, dv, dtype=torch.float32, device=v.device)
     decay = gg.exp()

@@ -16,7 +16,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pathlib import Path  # noqa: E402
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest  # noqa: E402
 
@@ -54,3 +54,15 @@ def tiny_spec(tiny_models: dict[str, Path]) -> Callable[[str], ModelSpec]:
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Two threads on a shared 2-core machine make tiny forwards 100x slower (OpenMP waits); a module that
+    runs many tiny forwards asks for one: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,12 +29,7 @@ from deltalang.testing import tiny_checkpoint
 CLEAN, OTHER = "The Eiffel Tower is in", "My favourite food is pizza"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

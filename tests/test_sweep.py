@@ -12,7 +12,6 @@ import csv
 import importlib
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,13 +31,7 @@ MEASURES = 'prob("P"), logit_diff("P", "a"), kl(clean)'
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Two threads on a shared 2-core machine make tiny forwards 100x slower (OpenMP waits); use one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _MODELS: dict[str, deltalang.DeltaModel] = {}
