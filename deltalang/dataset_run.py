@@ -28,8 +28,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -43,7 +41,7 @@ from .model import DeltaModel
 from .parse import parse
 from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import dataset_decls, measure_label
-from .results import check_out_dir
+from .results import save_atomically
 
 MAX_GROUP = 32  # records per program when records share forwards
 FILES = ("results.csv", "summary.csv", "summary.json", "program.dl")
@@ -119,18 +117,7 @@ class DatasetResults:
 
     def save(self, directory: str | Path) -> Path:
         """Write `FILES` into `directory`, each replacing its former version at once."""
-        out = check_out_dir(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".deltalang-", dir=out))
-        try:
-            self._write(tmp)
-            for name in FILES:
-                os.replace(tmp / name, out / name)
-        finally:
-            for f in tmp.iterdir():
-                f.unlink()
-            tmp.rmdir()
-        return out
+        return save_atomically(directory, self._write)
 
     def _write(self, tmp: Path) -> None:
         fields = list(self.dataset.fields)

@@ -28,7 +28,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -174,21 +174,9 @@ class Results(Mapping[str, Any]):
         never holds tensors of another run. Every file gets the mode the umask gives new
         files. A directory that cannot be written is a DeltaError.
         """
-        out = check_out_dir(directory)
-        tmp: Path | None = None
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".deltalang-", dir=out))
-            self._write(tmp, extra)
-            for f in tmp.iterdir():
-                os.replace(f, out / f.name)
-            if not self.tensors and (out / "results.safetensors").is_file():
-                (out / "results.safetensors").unlink()
-        except OSError as e:  # checked before, so only what changed since (a full disk, ...)
-            raise DeltaError(f"cannot save results in {directory}: {e.strerror or e}") from None
-        finally:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+        out = save_atomically(directory, lambda tmp: self._write(tmp, extra))
+        if not self.tensors and (out / "results.safetensors").is_file():
+            (out / "results.safetensors").unlink()
         return out
 
     def _write(self, tmp: Path, extra: Mapping[str, Any] | None) -> None:
@@ -214,6 +202,26 @@ class Results(Mapping[str, Any]):
             (tmp / "program.dl").write_text(self.program, encoding="utf-8")
         if self.code is not None:
             (tmp / self.code_file).write_text(self.code, encoding="utf-8")
+
+
+def save_atomically(directory: str | Path, write: Callable[[Path], None]) -> Path:
+    """Create `directory` if needed, let `write` fill a fresh temporary folder inside it, then move each
+    file it wrote into place at once (replacing a former version); the folder is always removed. A
+    directory that cannot be written, or a failure while writing (a full disk), is a DeltaError."""
+    out = check_out_dir(directory)
+    tmp: Path | None = None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".deltalang-", dir=out))
+        write(tmp)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+    except OSError as e:  # checked before, so only what changed since (a full disk, ...)
+        raise DeltaError(f"cannot save results in {directory}: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def check_out_dir(directory: str | Path) -> Path:
