@@ -58,14 +58,19 @@ def mixer(layer: int) -> str:
     return f"model.layers[{layer}].linear_attn"
 
 
-def read_expr(op: PlanOp, tracer: str = "tracer") -> str:
-    """The expression that reads `op`'s site inside a trace."""
+def _tail(tail: int | None) -> str:
+    """A left-padded run's own positions of a model-level per-token value: its last `tail`."""
+    return "" if tail is None else f"[:, -{tail}:]"
+
+
+def read_expr(op: PlanOp, tracer: str = "tracer", tail: int | None = None) -> str:
+    """The expression that reads `op`'s site inside a trace (`tail`: the run's tokens, if it is padded)."""
     if op.layer is None:
         if op.value == "tokens":
             return f"{tracer}.result"
-        return f"model.{op.value}"
+        return f"model.{op.value}" + (_tail(tail) if op.value == "logits" else "")
     if op.value == "output":
-        return f"model.layers[{op.layer}].output"
+        return f"model.layers[{op.layer}].output{_tail(tail)}"
     m = mixer(op.layer)
     if op.value in ("state_after", "conv_window_after"):
         return f"{m}.{op.value}({op.position})"
@@ -74,9 +79,11 @@ def read_expr(op: PlanOp, tracer: str = "tracer") -> str:
     return f"{m}.{op.value}"
 
 
-def write_stmt(op: PlanOp, value: str) -> str:
-    """The statement that writes `value` to `op`'s site."""
+def write_stmt(op: PlanOp, value: str, tail: int | None = None) -> str:
+    """The statement that writes `value` to `op`'s site (`tail`: the run's tokens, if it is padded)."""
     if op.value == "output":
+        if tail is not None:  # in place: the padded positions keep what they hold
+            return f"model.layers[{op.layer}].output{_tail(tail)} = {value}"
         return f"model.layers[{op.layer}].output = {value}"
     m = mixer(op.layer)  # type: ignore[arg-type]
     if op.value in ("state_after", "conv_window_after"):
@@ -84,12 +91,12 @@ def write_stmt(op: PlanOp, value: str) -> str:
     return f"{m}.{op.value} = {value}"
 
 
-def source_expr(op: PlanOp) -> str:
+def source_expr(op: PlanOp, tail: int | None = None) -> str:
     src = op.source
     if isinstance(src, Zeros):
-        return f"torch.zeros_like({read_expr(op)})"
+        return f"torch.zeros_like({read_expr(op, tail=tail)})"
     if isinstance(src, Scale):
-        return f"{read_expr(op)} * {src.factor!r}"
+        return f"{read_expr(op, tail=tail)} * {src.factor!r}"
     if isinstance(src, (FromRun, Named, Mean)):
         return f"results[{op.donor_key!r}]"
     raise AssertionError(f"unknown write source {src!r}")
@@ -103,20 +110,21 @@ def _token_note(run: RunPlan, op: PlanOp, tokens: dict[str, tuple[str, ...]]) ->
 
 
 def emit_ops(w: _Writer, run: RunPlan, ops: list[PlanOp], depth: int,
-             tokens: dict[str, tuple[str, ...]]) -> None:
+             tokens: dict[str, tuple[str, ...]], tail: int | None = None) -> None:
     for op in ops:
         note = _token_note(run, op, tokens)
         if op.kind == "read":
             if op.value == "tokens":
                 continue  # read after the generate loop
-            w.add(depth, f"results[{op.key!r}] = {read_expr(op)}.save()", op.span, note)
+            w.add(depth, f"results[{op.key!r}] = {read_expr(op, tail=tail)}.save()", op.span, note)
         else:
-            w.add(depth, write_stmt(op, source_expr(op)), op.span, note)
+            w.add(depth, write_stmt(op, source_expr(op, tail), tail), op.span, note)
 
 
-def emit_run_body(w: _Writer, run: RunPlan, depth: int, tokens: dict[str, tuple[str, ...]]) -> None:
+def emit_run_body(w: _Writer, run: RunPlan, depth: int, tokens: dict[str, tuple[str, ...]],
+                  tail: int | None = None) -> None:
     if run.kind != "generate":
-        emit_ops(w, run, list(run.ops), depth, tokens)
+        emit_ops(w, run, list(run.ops), depth, tokens, tail)
         if not run.ops:
             w.add(depth, "pass")
         return
@@ -162,9 +170,12 @@ def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tu
         emit_run_body(w, run, depth + 1, tokens)
     else:
         w.add(depth, "with torch.no_grad(), model.trace() as tracer:")
+        longest = max(r.n_tokens for r in p.runs)
         for run in p.runs:
-            w.add(depth + 1, f"with tracer.invoke({_prompt_ref(run, prompts)}):", note=run.name)
-            emit_run_body(w, run, depth + 2, tokens)
+            pad = longest - run.n_tokens
+            w.add(depth + 1, f"with tracer.invoke({_prompt_ref(run, prompts)}):",
+                  note=run.name + (f" ({run.n_tokens} tokens, {pad} padding)" if p.padded else ""))
+            emit_run_body(w, run, depth + 2, tokens, run.n_tokens if pad else None)
 
 
 def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None) -> Emitted:

@@ -156,9 +156,13 @@ def format_plan(plan: Plan) -> str:
     for p in plan.passes:
         what = "generate" if p.kind == "generate" else "trace"
         route = f", route {p.route}" if p.route else ""
-        lines.append(f"pass {p.index}: one {what}, {len(p.runs)} invoke(s){route}")
+        longest = max(r.n_tokens for r in p.runs)
+        padded = f", left-padded to {longest} tokens" if p.padded else ""
+        lines.append(f"pass {p.index}: one {what}, {len(p.runs)} invoke(s){route}{padded}")
         for r in p.runs:
             extra = f", max_new_tokens {r.max_new_tokens}" if r.kind == "generate" else ""
+            if p.padded:
+                extra += f" ({r.n_tokens} tokens)"
             why = f"  (implicit: {r.why or 'a clean run for ' + r.name})" if r.implicit else ""
             lines.append(f"  {r.name} on {r.prompt_text!r}{extra}{why}")
             for op in r.ops:

@@ -13,13 +13,16 @@ The planner makes three decisions, each a small function below:
    same number of tokens share one forward (one nnsight invoke each); each
    generate gets its own.
 
-Batching never changes a result: runs of different lengths never share a
-forward, so no run is ever left-padded and every value (per-token reads,
-positions, donors' values) is the run's own, as if it ran alone. (Transformers'
-own left-padded forward matches each row alone to float32 noise on all five
-families, but the model-level per-token values — `output`, `attention_output`,
-`logits` — would come back at the padded length and per-token writes would need
-re-padding; grouping by length is exact without either.)
+Batching never changes a result. Traces of one stage share a forward whatever
+their lengths: the shorter runs are left-padded, as transformers pads a batch,
+and every value is still the run's own. Padded positions are masked out of the
+attention layers and zeroed before each DeltaNet block (so its state and
+convolution window stay at zero until the run's first token, as for the run
+alone); the value layer maps each run's positions past its padding
+(`MixerSite.pads`), and the emitted code takes the model-level per-token values
+(`output`, `logits`) of a shorter run as its last `n_tokens` positions
+(`Pass.padded`). tests/test_batching.py checks every family against each run
+alone in transformers.
 
 Steps of a generate: a statement without `step K:` applies at every step, a
 read and a measure as much as a write (one per step, named `RUN.step<k>...`).
@@ -97,7 +100,7 @@ class RunPlan:
     route: str | None = None
     implicit: bool = False
     why: str = ""  # for implicit runs: what needs them
-    n_tokens: int = 0  # the prompt's tokens: only runs of one length share a forward
+    n_tokens: int = 0  # the prompt's tokens
 
 
 @attrs.frozen
@@ -109,6 +112,11 @@ class Pass:
     runs: tuple[RunPlan, ...]
     route: str | None = None
     then: tuple["Combine", ...] = ()  # values computed once this pass is done
+
+    @property
+    def padded(self) -> bool:
+        """Whether the runs of this forward differ in length (the shorter ones are left-padded)."""
+        return len({r.n_tokens for r in self.runs}) > 1
 
 
 @attrs.frozen
@@ -408,17 +416,18 @@ def order_runs(plans: dict[str, RunPlan], edges: list[tuple[str, str, Any]],
 
 
 def batch_stage(stage: list[RunPlan], batch: bool = True) -> list[list[RunPlan]]:
-    """Traces of one stage with one route and one token length share a forward; each generate runs alone.
+    """Traces of one stage with one route share a forward (shortest first); each generate runs alone.
 
-    Same length: no run of a shared forward is padded, so each value is the run's own (see the module doc).
+    Runs of different lengths are left-padded in the shared forward; every value is still the run's
+    own (see the module doc and `Pass.padded`).
     """
     groups: list[list[RunPlan]] = []
-    traces: dict[tuple[str | None, int], list[RunPlan]] = {}
+    traces: dict[str | None, list[RunPlan]] = {}
     for run in stage:
         if run.kind == "generate" or not batch:
             groups.append([run])
         else:
-            traces.setdefault((run.route, run.n_tokens), []).append(run)
+            traces.setdefault(run.route, []).append(run)
     return [g for g in traces.values()] + groups
 
 

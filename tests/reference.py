@@ -223,9 +223,12 @@ class Reference:
             return hook
 
         def block_exit(layer: int) -> Callable[..., None]:
-            def hook(mod: Any, args: Any, output: Any) -> None:
+            def hook(mod: Any, args: Any, output: Any) -> Any:
                 out = output[0] if isinstance(output, tuple) else output
+                for w in find(layer, "output"):
+                    out = w.fn(out, now["index"])
                 steps[-1].block_out.setdefault(layer, []).append(out)
+                return (out, *output[1:]) if isinstance(output, tuple) else out
 
             return hook
 

@@ -1,10 +1,12 @@
-"""Batching never changes a result: runs of different lengths in one program, on every family, against transformers.
+"""Batching never changes a result: runs of different lengths share forwards, on every family, against transformers.
 
 Each prompt's truth is `tests/reference.py` run on that prompt alone (transformers
 over its own cache, token by token), so every value below is compared with the run
 alone as transformers computes it, never with deltalang's own output. The programs
 mix prompts of several lengths (one shorter than the convolution window) in each
-stage, the case where a shared forward would have left-padded some runs.
+stage, so the shorter runs of a shared forward are left-padded: reads, writes of
+per-token values (the block's output, the mixer's output, kernel inputs) and of
+positions, from donors of other lengths, must all be each run's own.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import deltalang
 from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
 
 LONG = "The Eiffel Tower is in Paris"
-MID = "Tea time"  # MID and SAME have one length, so they may share a forward
+MID = "Tea time"  # MID and SAME have one length
 SAME = "Big cats"
 TINY = "Hi"  # fewer tokens than the convolution window
-HEADER = f'prompt long = "{LONG}"\nprompt mid = "{MID}"\nprompt same = "{SAME}"\nprompt tiny = "{TINY}"\n'
+HO = "Ho"  # TINY's length: a donor of per-token values for it
+HEADER = (f'prompt long = "{LONG}"\nprompt mid = "{MID}"\nprompt same = "{SAME}"\nprompt tiny = "{TINY}"\n'
+          f'prompt ho = "{HO}"\n')
 PER_TOKEN = ("output", "attention_output", "attention_values", "attention_head_outputs")
 
 
@@ -43,7 +47,7 @@ def _close(got: Any, want: Any, what: str, atol: float = 1e-5) -> None:
 
 
 def _lengths(model: deltalang.DeltaModel, plan: Any) -> list[set[int]]:
-    texts = {"long": LONG, "mid": MID, "same": SAME, "tiny": TINY}
+    texts = {"long": LONG, "mid": MID, "same": SAME, "tiny": TINY, "ho": HO}
     return [{_ids(model, texts[r.prompt]).shape[1] for r in p.runs if r.prompt in texts} for p in plan.passes]
 
 
@@ -57,8 +61,7 @@ def test_reads_of_runs_of_different_lengths_equal_each_run_alone(loaded: tuple) 
         for p, pos in (("long", 20), ("mid", 5), ("same", 5), ("tiny", 0)))
     exp = deltalang.compile(source, model)
     lengths = _lengths(model, exp.plan)
-    assert all(len(n) == 1 for n in lengths), lengths  # no forward mixes lengths ...
-    assert any(len(p.runs) == 2 for p in exp.plan.passes)  # ... and runs of one length still share one
+    assert lengths == [{_ids(model, t).shape[1] for t in (LONG, MID, TINY)}], lengths  # one padded forward
     got = exp.run()
     for p, text, pos in (("long", LONG, 20), ("mid", MID, 5), ("same", SAME, 5), ("tiny", TINY, 0)):
         rec = ref.run(_ids(model, text))
@@ -79,6 +82,7 @@ def test_writes_from_donors_of_another_length_equal_transformers(loaded: tuple) 
     source = HEADER + f"""
 trace d_long on long {{ read L{a}.output }}
 trace d_mid on mid {{ read L{a}.output }}
+trace d_ho on ho {{ read L{a}.output }}
 trace x on same {{
     write L{a}.attention_values from d_mid
     write L{b}.attention_output from d_mid
@@ -91,12 +95,16 @@ trace y on long {{
     write L{b}.state_after(20) from d_mid.state_after(6)
     read logits, L{b}.states
 }}
-trace z on tiny {{ write L{b}.conv_window_after(0) from d_mid.conv_window_after(7); read logits }}
+trace z on tiny {{
+    write L{b}.conv_window_after(0) from d_mid.conv_window_after(7)
+    write L{a}.output from d_ho
+    read logits, L{a}.output
+}}
 """
     exp = deltalang.compile(source, model)
-    assert all(len(n) == 1 for n in _lengths(model, exp.plan))
+    assert all(len(n) > 1 for n in _lengths(model, exp.plan)), _lengths(model, exp.plan)  # every forward padded
     got = exp.run()
-    long_, mid = ref.run(_ids(model, LONG)), ref.run(_ids(model, MID))
+    long_, mid, ho = ref.run(_ids(model, LONG)), ref.run(_ids(model, MID)), ref.run(_ids(model, HO))
     x = ref.run(_ids(model, SAME), [
         Write(a, "attention_values", lambda v, i: mid.value(a, "attention_values")[:, i:i + 1]),
         Write(b, "attention_output", lambda v, i: mid.value(b, "attention_output")[:, i:i + 1]),
@@ -106,12 +114,14 @@ trace z on tiny {{ write L{b}.conv_window_after(0) from d_mid.conv_window_after(
         Write(a, "attention_output", lambda v, i: long_.value(a, "attention_output")[:, i:i + 1]),
         Write(b, "state_after", set_to(mid.value(b, "state_after", 6)), position=20)])
     z = ref.run(_ids(model, TINY), [Write(b, "conv_window_after", set_to(mid.value(b, "conv_window_after", 7)),
-                                          position=0)])
+                                          position=0),
+                                    Write(a, "output", lambda v, i: ho.value(a, "output")[:, i:i + 1])])
     for run, rec in (("x", x), ("y", y), ("z", z)):
         _close(got[f"{run}.logits"], rec.value(None, "logits"), f"{run} logits", atol=1e-4)
     _close(got[f"x.L{b}.states"], x.value(b, "states"), "x states")
     _close(got[f"x.L{a}.attention_output"], x.value(a, "attention_output"), "x attention_output")
     _close(got[f"y.L{b}.states"], y.value(b, "states"), "y states")
+    _close(got[f"z.L{a}.output"], ho.value(a, "output"), "z output (written)")
     clean = ref.run(_ids(model, TINY))  # the writes change something, so the comparisons can fail
     assert not torch.allclose(z.value(None, "logits"), clean.value(None, "logits"), atol=1e-4)
 

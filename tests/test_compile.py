@@ -256,10 +256,10 @@ def test_permuting_statements_gives_identical_results(model: deltalang.DeltaMode
 # ---------------------------------------------------------------------------
 
 
-def test_batched_runs_equal_transformers_and_share_forwards_by_length(model: deltalang.DeltaModel,
-                                                                      ref: Reference) -> None:
-    """Runs of one length share a forward; runs of another length get their own (never left-padded), and
-    every value equals transformers on the prompt alone. (tests/test_batching.py: all families, writes.)"""
+def test_batched_runs_of_any_length_share_a_forward_and_equal_transformers(model: deltalang.DeltaModel,
+                                                                           ref: Reference) -> None:
+    """Traces of one stage share a forward whatever their lengths (the shorter left-padded), and every value
+    equals transformers on the prompt alone. (tests/test_batching.py: all families, writes.)"""
     same = "The Eiffel Tower is at"  # as many tokens as CLEAN
     source = f'''
 prompt a = "{CLEAN}"
@@ -272,7 +272,8 @@ trace tc on c {{ read L0.state_after(1), L1.attention_values, L2.states, L0.outp
 trace td on d {{ read L0.state_after(3), L1.attention_values, L2.states, L0.output; read logits }}
 '''
     exp = deltalang.compile(source, model)
-    assert [[r.name for r in p.runs] for p in exp.plan.passes] == [["ta", "td"], ["tb"], ["tc"]]
+    assert [[r.name for r in p.runs] for p in exp.plan.passes] == [["ta", "tb", "tc", "td"]]
+    assert exp.plan.passes[0].padded
     got = exp.run()
     for run, text, pos in (("ta", CLEAN, 3), ("tb", OTHER, 3), ("tc", "Tea", 1), ("td", same, 3)):
         rec = ref.run(model.tokenizer(text, return_tensors="pt").input_ids)

@@ -168,11 +168,19 @@ def _generated(name: str, doc: str, fn: Callable[..., Any]) -> Callable[..., Any
 def _value_property(v: values.Value) -> property:
     """A value without a position as a property: a read parks, an assignment replaces (or is refused)."""
     name = v.name
-    if not v.kernel:  # the mixer's own output: nnsight serves it
+    if not v.kernel:  # the mixer's own output: nnsight serves it (past a left-padded row's padding)
         def get(self: DeltaNetEnvoy) -> Any:
-            return self.output
+            out = self.output  # parks until the mixer has run: its padding is then this call's
+            pad = self._pad(_mediator(name))
+            return out[:, pad:] if pad else out
 
         def write(self: DeltaNetEnvoy, value: Any) -> None:
+            if self.site.pads and isinstance(value, torch.Tensor):  # a padded call (or the last one was)
+                out = self.output
+                pad = self._pad(_mediator(name))
+                if pad:  # in place: the padded positions keep what they hold
+                    out[:, pad:] = value.to(out.dtype)
+                    return
             self.output = value
     elif name in _HEADS:
         def get(self: DeltaNetEnvoy) -> Any:

@@ -16,23 +16,22 @@ PROMPTS = {
 
 def experiment(model):
     results = {}
-    # pass 1: mean(corpus)[0]#0 (implicit)
-    with torch.no_grad(), model.trace('The cat sat'):
-        results['~mean(corpus)[0]#0.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
-    # pass 2: mean(corpus)[1]#1 (implicit)
-    with torch.no_grad(), model.trace('A dog ran far'):
-        results['~mean(corpus)[1]#1.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
-    # pass 3: mean(corpus)[2]#2 (implicit)
-    with torch.no_grad(), model.trace('Rain fell'):
-        results['~mean(corpus)[2]#2.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
+    # pass 1: mean(corpus)[0]#0 (implicit), mean(corpus)[1]#1 (implicit), mean(corpus)[2]#2 (implicit)
+    with torch.no_grad(), model.trace() as tracer:
+        with tracer.invoke('The cat sat'):  # mean(corpus)[0]#0 (11 tokens, 2 padding)
+            results['~mean(corpus)[0]#0.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
+        with tracer.invoke('A dog ran far'):  # mean(corpus)[1]#1 (13 tokens, 0 padding)
+            results['~mean(corpus)[1]#1.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
+        with tracer.invoke('Rain fell'):  # mean(corpus)[2]#2 (9 tokens, 4 padding)
+            results['~mean(corpus)[2]#2.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
     results['~mean(corpus).L1.state_after(2).avg'] = torch.stack([results['~mean(corpus)[0]#0.L1.state_after(2)'], results['~mean(corpus)[1]#1.L1.state_after(2)'], results['~mean(corpus)[2]#2.L1.state_after(2)']]).mean(dim=0)
-    # pass 4: avg
+    # pass 2: avg
     with torch.no_grad(), model.trace(PROMPTS['clean']):
         results['kept'] = model.layers[0].linear_attn.state_after(1).save()  # mean.dl:5 token 1 = 'h'
         model.layers[1].linear_attn.set_state_after(2, results['~mean(corpus).L1.state_after(2).avg'])  # mean.dl:6 token 2 = 'e'
         results['~avg.logits'] = model.logits.save()  # mean.dl:11
         results['avg.next_token_probs'] = model.next_token_probs.save()  # mean.dl:7
-    # pass 5: reuse
+    # pass 3: reuse
     with torch.no_grad(), model.trace(PROMPTS['clean']):
         model.layers[0].linear_attn.set_state_after(1, results['kept'])  # mean.dl:10 token 1 = 'h'
         results['~reuse.L1.state_output'] = model.layers[1].linear_attn.state_output.save()  # mean.dl:12
