@@ -6,9 +6,9 @@
 
 Each record's program is the plain one-prompt program `deltalang.resolve.dataset.expand`
 writes for it, compiled and run as any program is, so a record's result is exactly that
-program's result. Records whose runs all have one token length share forwards (their
-programs merged into one, each run renamed `NAME#k`, at most `MAX_GROUP` records); any
-other record runs alone, since runs of different lengths in one forward are padded.
+program's result. Records share forwards (their programs merged into one, each run renamed
+`NAME#k`; sorted by length, at most `MAX_GROUP` records and `plan.BATCH_TOKENS` padded tokens
+a forward); the planner left-pads the shorter runs, which changes no value.
 
 Records whose program does not resolve (a field's text not in the prompt, an answer of
 several tokens) are left out and reported by their data-file line, with the count; with
@@ -39,6 +39,7 @@ from .errors import DeltaError, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
 from .model import DeltaModel
 from .parse import parse
+from .plan import BATCH_TOKENS
 from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import dataset_decls, measure_label
 from .results import save_atomically
@@ -199,19 +200,27 @@ def _warn_once(ds: Dataset, resolutions: list[RecordResolution]) -> None:
 
 
 def record_groups(resolutions: list[RecordResolution], batch: bool) -> list[list[RecordResolution]]:
-    """Records that share forwards: those whose runs all have one token length, by that length (at most
-    `MAX_GROUP` a group); any other record runs alone (different lengths in one forward are padded)."""
-    groups: dict[int, list[RecordResolution]] = {}
+    """Records that share forwards: sorted by length (little padding), at most `MAX_GROUP` records and
+    `BATCH_TOKENS` padded tokens per run a group; a record whose program cannot be renamed apart runs alone.
+
+    Runs of different lengths in one forward are left-padded; each value is still the run's own (see
+    `deltalang.plan`)."""
     alone: list[list[RecordResolution]] = []
+    mergeable: list[tuple[int, RecordResolution]] = []
     for r in resolutions:
         assert r.resolved is not None
-        lengths = {len(run.token_ids) for run in r.resolved.runs}
-        if not batch or len(lengths) != 1 or not _mergeable(r.resolved):
+        if not batch or not _mergeable(r.resolved):
             alone.append([r])
         else:
-            groups.setdefault(lengths.pop(), []).append(r)
-    out = [g[i:i + MAX_GROUP] for g in groups.values() for i in range(0, len(g), MAX_GROUP)]
-    return out + alone
+            mergeable.append((max(len(run.token_ids) for run in r.resolved.runs), r))
+    out: list[list[RecordResolution]] = []
+    current: list[RecordResolution] = []
+    for n, r in sorted(mergeable, key=lambda x: x[0]):
+        if current and (len(current) >= MAX_GROUP or (len(current) + 1) * n > BATCH_TOKENS):
+            out.append(current)
+            current = []
+        current.append(r)
+    return out + ([current] if current else []) + alone
 
 
 def _mergeable(resolved: Resolved) -> bool:

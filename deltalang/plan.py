@@ -415,11 +415,15 @@ def order_runs(plans: dict[str, RunPlan], edges: list[tuple[str, str, Any]],
 # ---------------------------------------------------------------------------
 
 
-def batch_stage(stage: list[RunPlan], batch: bool = True) -> list[list[RunPlan]]:
-    """Traces of one stage with one route share a forward (shortest first); each generate runs alone.
+BATCH_TOKENS = 16384  # at most this many (padded) tokens in one shared forward
 
-    Runs of different lengths are left-padded in the shared forward; every value is still the run's
-    own (see the module doc and `Pass.padded`).
+
+def batch_stage(stage: list[RunPlan], batch: bool = True, max_tokens: int = BATCH_TOKENS) -> list[list[RunPlan]]:
+    """Traces of one stage with one route share forwards; each generate runs alone.
+
+    A shared forward holds runs of similar length (sorted by length, so little is padded) up to
+    `max_tokens` padded tokens. Runs of different lengths are left-padded in it; every value is still
+    the run's own (see the module doc and `Pass.padded`).
     """
     groups: list[list[RunPlan]] = []
     traces: dict[str | None, list[RunPlan]] = {}
@@ -428,7 +432,16 @@ def batch_stage(stage: list[RunPlan], batch: bool = True) -> list[list[RunPlan]]
             groups.append([run])
         else:
             traces.setdefault(run.route, []).append(run)
-    return [g for g in traces.values()] + groups
+    shared: list[list[RunPlan]] = []
+    for runs in traces.values():
+        current: list[RunPlan] = []
+        for run in sorted(runs, key=lambda r: r.n_tokens):  # stable: source order within a length
+            if current and (len(current) + 1) * run.n_tokens > max_tokens:
+                shared.append(current)
+                current = []
+            current.append(run)
+        shared.append(current)
+    return shared + groups
 
 
 def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:

@@ -272,7 +272,7 @@ trace tc on c {{ read L0.state_after(1), L1.attention_values, L2.states, L0.outp
 trace td on d {{ read L0.state_after(3), L1.attention_values, L2.states, L0.output; read logits }}
 '''
     exp = deltalang.compile(source, model)
-    assert [[r.name for r in p.runs] for p in exp.plan.passes] == [["ta", "tb", "tc", "td"]]
+    assert [sorted(r.name for r in p.runs) for p in exp.plan.passes] == [["ta", "tb", "tc", "td"]]
     assert exp.plan.passes[0].padded
     got = exp.run()
     for run, text, pos in (("ta", CLEAN, 3), ("tb", OTHER, 3), ("tc", "Tea", 1), ("td", same, 3)):
@@ -282,6 +282,19 @@ trace td on d {{ read L0.state_after(3), L1.attention_values, L2.states, L0.outp
                 "L0.output": rec.value(0, "output"), "logits": rec.value(None, "logits")}
         for key, value in want.items():
             assert _same(got[f"{run}.{key}"], value, atol=1e-4), (run, key)
+
+
+def test_a_shared_forward_holds_runs_of_similar_length_up_to_a_token_budget(model: deltalang.DeltaModel) -> None:
+    from deltalang.plan import batch_stage
+    texts = ["a b c d e f g h", "a", "a b c", "a b c d e f g h i j", "a b"]
+    source = "".join(f'prompt p{i} = "{t}"\ntrace t{i} on p{i} {{ read logits }}\n' for i, t in enumerate(texts))
+    runs = list(deltalang.compile(source, model).plan.passes[0].runs)
+    n = {r.name: r.n_tokens for r in runs}
+    budget = 2 * max(n.values())
+    groups = batch_stage(runs, max_tokens=budget)
+    assert [r.name for g in groups for r in g] == sorted(n, key=lambda k: n[k])  # every run once, shortest first
+    assert all(len(g) * max(n[r.name] for r in g) <= budget for g in groups if len(g) > 1)
+    assert len(groups) > 1
 
 
 # ---------------------------------------------------------------------------

@@ -162,6 +162,20 @@ def _plain(r: dict) -> str:
             f"    measure logit_diff({q(r['answer'])}, {q(r['foil'])}), prob({q(r['answer'])})\n}}\n")
 
 
+def _transformers_patch(ref: Reference, tok: object, r: dict[str, str]) -> tuple[float, float]:
+    """logit_diff and prob of `r`'s answer in plain transformers: the corrupt run's cache state after the
+    subject's last token, written into the clean run."""
+    ids = tok(r["prompt"], return_tensors="pt").input_ids  # type: ignore[operator]
+    end = r["prompt"].index(r["subject"]) + len(r["subject"])
+    pos = len(tok(r["prompt"][:end]).input_ids) - 1  # type: ignore[operator]
+    corrupt = ref.run(tok(r["corrupt"], return_tensors="pt").input_ids)  # type: ignore[operator]
+    writes = [Write(i, "state_after", set_to(corrupt.value(i, "state_after", pos)), position=pos)
+              for i in ref.linear]
+    logits = ref.run(ids, writes).value(None, "logits")[0, -1].float()
+    a, b = (tok(r[k]).input_ids[0] for k in ("answer", "foil"))  # type: ignore[operator]
+    return float(logits[a] - logits[b]), float(logits.softmax(-1)[a])
+
+
 @needs_model
 def test_each_record_equals_its_plain_program_and_transformers(model: deltalang.DeltaModel, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
@@ -172,23 +186,39 @@ def test_each_record_equals_its_plain_program_and_transformers(model: deltalang.
     probs = out.values("t.prob(facts.answer)")
     assert len(diffs) == len(probs) == 4 and not out.skipped
     ref = Reference(AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32))
-    tok = model.tokenizer
     for r, diff, prob in zip(records, diffs, probs):
         plain = deltalang.run(_plain(r), model)
         assert diff == pytest.approx(plain[f't.logit_diff({ast.quote(r["answer"])}, {ast.quote(r["foil"])})'],
                                      abs=1e-4)
         assert prob == pytest.approx(plain[f't.prob({ast.quote(r["answer"])})'], abs=1e-5)
-        # transformers: the corrupt run's cache state after the subject's last token, written into the clean run
-        ids = tok(r["prompt"], return_tensors="pt").input_ids
-        end = r["prompt"].index(r["subject"]) + len(r["subject"])
-        pos = len(tok(r["prompt"][:end]).input_ids) - 1
-        corrupt = ref.run(tok(r["corrupt"], return_tensors="pt").input_ids)
-        writes = [Write(i, "state_after", set_to(corrupt.value(i, "state_after", pos)), position=pos)
-                  for i in ref.linear]
-        logits = ref.run(ids, writes).value(None, "logits")[0, -1].float()
-        a, b = (tok(r[k]).input_ids[0] for k in ("answer", "foil"))
-        assert diff == pytest.approx(float(logits[a] - logits[b]), abs=1e-3)
-        assert prob == pytest.approx(float(logits.softmax(-1)[a]), abs=1e-4)
+        want_diff, want_prob = _transformers_patch(ref, model.tokenizer, r)
+        assert diff == pytest.approx(want_diff, abs=1e-3)
+        assert prob == pytest.approx(want_prob, abs=1e-4)
+
+
+@needs_model
+def test_records_of_different_lengths_share_forwards_and_each_equals_transformers(
+        model: deltalang.DeltaModel, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from deltalang.dataset_run import record_groups
+    # k leading "The"s in both prompts: records of 8 to 11 tokens, each donor as long as its prompt
+    records = [dict(r, prompt="The " * k + r["prompt"], corrupt="The " * k + r["corrupt"])
+               for k, r in zip((3, 0, 2, 1, 3), RECORDS[4:9])]
+    path = _write_jsonl(tmp_path / "facts.jsonl", records).with_name("x.dl")
+    ds, resolutions = resolve_records(parse(PATCH, str(path)), {"facts": dataset_from_python("facts", records)},
+                                      model.spec)
+    groups = record_groups(resolutions, batch=True)
+    assert len(groups) == 1 and len({len(r.resolved.runs[0].token_ids) for r in groups[0]}) == 4  # one padded forward
+    out = run_dataset(PATCH, model, filename=str(path))
+    ref = Reference(AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32))
+    diffs = out.values("t.logit_diff(facts.answer, facts.foil)")
+    probs = out.values("t.prob(facts.answer)")
+    assert len(diffs) == 5
+    for r, diff, prob in zip(records, diffs, probs):
+        want_diff, want_prob = _transformers_patch(ref, model.tokenizer, r)
+        assert diff == pytest.approx(want_diff, abs=1e-3)
+        assert prob == pytest.approx(want_prob, abs=1e-4)
 
 
 @needs_model

@@ -17,14 +17,14 @@ PROMPTS = {
 
 def experiment(model):
     results = {}
-    # pass 1: a, d
+    # pass 1: d, a
     with torch.no_grad(), model.trace() as tracer:
+        with tracer.invoke(PROMPTS['q']):  # d (31 tokens, 3 padding)
+            results['d.L0.state_input'] = model.layers[0].linear_attn.state_input.save()  # chain.dl:7
         with tracer.invoke(PROMPTS['p']):  # a (34 tokens, 0 padding)
             model.layers[0].linear_attn.set_state_after(2, model.layers[0].linear_attn.state_after(2) * 0.5)  # chain.dl:6 token 2 = 'e'
             results['a.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # chain.dl:6
             results['~a.L1.state_after(4)'] = model.layers[1].linear_attn.state_after(4).save()  # chain.dl:5 token 4 = 'E'
-        with tracer.invoke(PROMPTS['q']):  # d (31 tokens, 3 padding)
-            results['d.L0.state_input'] = model.layers[0].linear_attn.state_input.save()  # chain.dl:7
     # pass 2: b
     with torch.no_grad(), model.trace(PROMPTS['q']):
         model.layers[1].linear_attn.set_state_after(4, results['~a.L1.state_after(4)'])  # chain.dl:5 token 4 = 'a'

@@ -16,14 +16,14 @@ PROMPTS = {
 
 def experiment(model):
     results = {}
-    # pass 1: mean(corpus)[0]#0 (implicit), mean(corpus)[1]#1 (implicit), mean(corpus)[2]#2 (implicit)
+    # pass 1: mean(corpus)[2]#2 (implicit), mean(corpus)[0]#0 (implicit), mean(corpus)[1]#1 (implicit)
     with torch.no_grad(), model.trace() as tracer:
+        with tracer.invoke('Rain fell'):  # mean(corpus)[2]#2 (9 tokens, 4 padding)
+            results['~mean(corpus)[2]#2.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
         with tracer.invoke('The cat sat'):  # mean(corpus)[0]#0 (11 tokens, 2 padding)
             results['~mean(corpus)[0]#0.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
         with tracer.invoke('A dog ran far'):  # mean(corpus)[1]#1 (13 tokens, 0 padding)
             results['~mean(corpus)[1]#1.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
-        with tracer.invoke('Rain fell'):  # mean(corpus)[2]#2 (9 tokens, 4 padding)
-            results['~mean(corpus)[2]#2.L1.state_after(2)'] = model.layers[1].linear_attn.state_after(2).save()  # mean.dl:6
     results['~mean(corpus).L1.state_after(2).avg'] = torch.stack([results['~mean(corpus)[0]#0.L1.state_after(2)'], results['~mean(corpus)[1]#1.L1.state_after(2)'], results['~mean(corpus)[2]#2.L1.state_after(2)']]).mean(dim=0)
     # pass 2: avg
     with torch.no_grad(), model.trace(PROMPTS['clean']):
