@@ -148,6 +148,8 @@ def emit_run_body(w: _Writer, run: RunPlan, depth: int, tokens: dict[str, tuple[
 
 
 def _prompt_ref(run: RunPlan, prompts: dict[str, str]) -> str:
+    if run.token_ids:  # teacher forcing: the prompt's tokens and the answer's but its last
+        return repr(list(run.token_ids))
     return f"PROMPTS[{run.prompt!r}]" if run.prompt in prompts else repr(run.prompt_text)
 
 
@@ -228,7 +230,10 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
         keys = plan.inputs[m.result_name]  # the run's own input, then (kl) the other run's logits
         reference = f"results[{keys[1]!r}]" if m.kind == "kl" else None
         args = [f"results[{keys[0]!r}]", *map(str, measures.arguments(m.kind, m.token_ids, reference))]
-        w.add(1, f"results[{m.result_name!r}] = measures.{m.kind}({', '.join(args)})", m.span)
+        if m.forced:  # each answer's every token, then (logit_diff) the logits of the second answer's run
+            args = [f"results[{keys[0]!r}]", *map(str, m.answers)] + [f"results[{k!r}]" for k in keys[1:]]
+        w.add(1, f"results[{m.result_name!r}] = measures.{m.kind}({', '.join(args)})", m.span,
+              "teacher forcing: sum of log-probabilities" if m.forced else "")
     w.add(1, f"return {{k: v for k, v in results.items() if not k.startswith({HIDDEN!r})}}")
     w.blank()
     w.blank()

@@ -80,7 +80,9 @@ def format_run_header(run: ResolvedRun) -> str:
             head += f"\n  over {a.var} in " + " ".join(f"L{b}" for b in a.values)
         else:
             cells = " ".join(f"{p}{token_note(run.tokens, p)}" for p in a.values)
-            head += f"\n  over {a.var} in {a.labels[0]}..{a.labels[-1] + 1}: positions {cells}"
+            contiguous = list(a.labels) == list(range(a.labels[0], a.labels[0] + len(a.labels)))
+            written = f"{a.labels[0]}..{a.labels[-1] + 1}" if contiguous else ", ".join(map(str, a.labels))
+            head += f"\n  over {a.var} in {written}: positions {cells}"
     return head
 
 
@@ -120,7 +122,10 @@ def format_measure(m: ResolvedMeasure, run: ResolvedRun, spec: ModelSpec) -> str
     """One measure as `check` prints it, with the token ids it measures."""
     step = "" if m.step is None else f"step {m.step}: "
     extra = ""
-    if m.token_ids:
+    if m.forced:
+        extra = " -> " + ", ".join(f"tokens {list(a)} {spec.tokenizer.convert_ids_to_tokens(list(a))}"
+                                   for a in m.answers) + " (teacher forcing: sum of log-probabilities)"
+    elif m.token_ids:
         spelled = spec.tokenizer.convert_ids_to_tokens(list(m.token_ids))
         extra = " -> " + ", ".join(f"token {i} ({s!r})" for i, s in zip(m.token_ids, spelled, strict=True))
     elif m.kind == "norm" and m.position is not None and m.position_var is None:

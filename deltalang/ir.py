@@ -98,7 +98,7 @@ class ResolvedMeasure:
     kind: str
     result_name: str
     step: int | None = None
-    token_ids: tuple[int, ...] = ()  # prob/rank: one id; logit_diff: (a, b)
+    token_ids: tuple[int, ...] = ()  # prob/rank: one id; logit_diff: (a, b) (an answer's first token)
     token_texts: tuple[str, ...] = ()  # the strings as written
     against: str | None = None  # kl: the other run
     layer: int | None = None  # norm: the site
@@ -109,6 +109,12 @@ class ResolvedMeasure:
     layer_var: str | None = None
     position_var: str | None = None
     span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
+    answers: tuple[tuple[int, ...], ...] = ()  # prob/logit_diff: each answer's every token
+
+    @property
+    def forced(self) -> bool:
+        """Whether an answer is several tokens: then measured by teacher forcing (sum of log-probabilities)."""
+        return any(len(a) > 1 for a in self.answers)
 
 
 @attrs.frozen

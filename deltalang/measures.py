@@ -27,8 +27,29 @@ def _scalar(x: torch.Tensor) -> float | torch.Tensor:
     return float(x[0]) if x.shape[0] == 1 else x
 
 
-def prob(logits: torch.Tensor, token: int) -> float | torch.Tensor:
-    """P(token) at the next position."""
+def answer_logprob(logits: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """log P(answer) per prompt: the sum of its tokens' log-probabilities under teacher forcing.
+
+    `logits` `[b, s, vocab]` are those of the prompt followed by the answer's tokens but its last, so
+    the last `len(tokens)` positions predict the answer's tokens in turn (one token: the last position).
+    """
+    x = logits.float()
+    k = len(tokens)
+    if x.dim() == 2:
+        if k != 1:
+            raise DeltaValueError(f"an answer of {k} tokens needs logits at every position, [b, s, vocab]")
+        x = x[:, None]
+    if x.shape[1] < k:
+        raise DeltaValueError(f"an answer of {k} tokens needs {k} positions of logits, got {x.shape[1]}")
+    lp = x[:, -k:].log_softmax(-1)
+    return lp[:, torch.arange(k), torch.tensor(list(tokens))].sum(-1)
+
+
+def prob(logits: torch.Tensor, token: int | Sequence[int]) -> float | torch.Tensor:
+    """P(token) at the next position; of an answer of several tokens, their product under teacher forcing
+    (`logits`: those of the prompt and the answer's tokens but the last, see `answer_logprob`)."""
+    if not isinstance(token, int):
+        return _scalar(answer_logprob(logits, token).exp())
     return _scalar(_last(logits).softmax(-1)[:, token])
 
 
@@ -38,10 +59,17 @@ def rank(logits: torch.Tensor, token: int) -> float | torch.Tensor:
     return _scalar((x > x[:, token : token + 1]).sum(-1).float())
 
 
-def logit_diff(logits: torch.Tensor, a: int, b: int) -> float | torch.Tensor:
-    """logit(a) - logit(b) at the next position."""
-    x = _last(logits)
-    return _scalar(x[:, a] - x[:, b])
+def logit_diff(logits: torch.Tensor, a: int | Sequence[int], b: int | Sequence[int],
+               logits_b: torch.Tensor | None = None) -> float | torch.Tensor:
+    """logit(a) - logit(b) at the next position. With an answer of several tokens: log P(a) - log P(b), each
+    the sum of its tokens' log-probabilities under teacher forcing (`answer_logprob`; `logits` for a,
+    `logits_b` for b) — for answers of one token both are the same number."""
+    if isinstance(a, int) and isinstance(b, int) and logits_b is None:
+        x = _last(logits)
+        return _scalar(x[:, a] - x[:, b])
+    seq_a = (a,) if isinstance(a, int) else tuple(a)
+    seq_b = (b,) if isinstance(b, int) else tuple(b)
+    return _scalar(answer_logprob(logits, seq_a) - answer_logprob(logits if logits_b is None else logits_b, seq_b))
 
 
 def kl(logits: torch.Tensor, reference: torch.Tensor) -> float | torch.Tensor:

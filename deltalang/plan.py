@@ -47,6 +47,7 @@ import attrs
 import networkx as nx
 
 from . import values
+from .ast import quote as ast_quote
 from .errors import DeltaPlanError, Span
 from .ir import FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, op_result_name
 
@@ -101,6 +102,7 @@ class RunPlan:
     implicit: bool = False
     why: str = ""  # for implicit runs: what needs them
     n_tokens: int = 0  # the prompt's tokens
+    token_ids: tuple[int, ...] = ()  # a teacher-forced run's tokens (the prompt and an answer's first tokens)
 
 
 @attrs.frozen
@@ -331,14 +333,51 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
             ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, source=src,
                                       donor_key=dkey, text=op.written, span=op.span))
     measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor) for run, m in measures}
+    forced: dict[str, tuple[int, ...]] = {}
+    for run, m in measures:
+        if m.forced:
+            measure_inputs[m.result_name] = _forced_reads(meta, ops, edges, forced, implicit_why, meta[run], m)
 
     plans = {}
     for name, r in meta.items():
         plans[name] = RunPlan(name=r.name, kind=r.kind, prompt=r.prompt, prompt_text=r.prompt_text,
                               ops=tuple(sort_ops(mark_states_as_run(ops[name]))),
                               max_new_tokens=r.max_new_tokens, route=r.route, implicit=r.implicit,
-                              why=implicit_why.get(name, ""), n_tokens=len(r.token_ids))
+                              why=implicit_why.get(name, ""), n_tokens=len(r.token_ids),
+                              token_ids=forced.get(name, ()))
     return plans, edges, combines, measures, measure_inputs
+
+
+def _forced_reads(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]], edges: list[tuple[str, str, Any]],
+                  forced: dict[str, tuple[int, ...]], why: dict[str, str], r: ResolvedRun,
+                  m: ResolvedMeasure) -> tuple[str, ...]:
+    """A measure of an answer of several tokens: per such answer, a run of the prompt and the answer's
+    tokens but the last (teacher forcing) with the run's writes, whose logits it reads; an answer of one
+    token reads the run's own logits. Returns the logits keys, one per answer."""
+    keys = []
+    for text, answer in zip(m.token_texts, m.answers, strict=True):
+        if len(answer) == 1:
+            keys.append(donor_key(r.name, None, "logits", None, None))
+            continue
+        name = f"{r.name}+{ast_quote(text)}"
+        keys.append(donor_key(name, None, "logits", None, None))
+        if name in meta:
+            continue
+        meta[name] = attrs.evolve(r, name=name, prompt=name, prompt_text=r.prompt_text + text,
+                                  token_ids=r.token_ids + answer[:-1], implicit=True)
+        forced[name] = r.token_ids + answer[:-1]
+        why[name] = f"teacher forcing of {ast_quote(text)} for {r.name}"
+        ops[name] = [PlanOp("read", None, "logits", None, None, keys[-1], text=m.written, span=m.span)]
+        for op in ops[r.name]:
+            if op.kind != "write" or op.value == "state_output":  # after the last token: no logit sees it
+                continue
+            if values.CATALOGUE[op.value].per_token:
+                raise DeltaPlanError(f"{ast_quote(text)} is {len(answer)} tokens, measured by teacher forcing over "
+                                     f"the prompt and the answer; a write of the per-token value `{op.value}` "
+                                     "covers the prompt's tokens only: measure an answer of one token here", m.span)
+            ops[name].append(op)
+        edges.extend((src, name, why_) for src, to, why_ in list(edges) if to == r.name)
+    return tuple(keys)
 
 
 def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]],

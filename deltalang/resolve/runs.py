@@ -21,7 +21,7 @@ from ..ir import (ResolvedMeasure, ResolvedOp, ResolvedRun, SweepAxis, measure_c
                   op_result_name, site_text)
 from ..tokens import token_id
 from .scope import Ctx, Fail, Scope, Target, did_you_mean
-from .sites import expand, index, targets
+from .sites import expand, index, piece, targets
 from .sources import NamedPending, run_target, write_source
 
 
@@ -162,6 +162,8 @@ def resolve_axis(scope: Scope, axis: ast.Axis, ctx: Ctx, body: Sequence[ast.Stat
             p = index(scope, t, ctx.toks, ctx.prompt, d.span, f"{axis.var} in {d.start}..{d.stop} reaches {t}: ")
             positions.append(p)
         return SweepAxis(axis.var, "position", tuple(positions), labels, span=axis.span)
+    if isinstance(d, ast.PosList):
+        return position_list(scope, axis, d, ctx)
     if isinstance(d, ast.AllBlocks):  # L*: the blocks that have every value the body takes from it
         wanted = _values_of_block_var(body, axis.var)
         blocks = [i for i in range(scope.spec.num_layers)
@@ -171,6 +173,26 @@ def resolve_axis(scope: Scope, axis: ast.Axis, ctx: Ctx, body: Sequence[ast.Stat
     else:
         blocks = expand(scope, d, None, axis.span)
     return SweepAxis(axis.var, "block", tuple(blocks), tuple(blocks), span=axis.span)
+
+
+def position_list(scope: Scope, axis: ast.Axis, d: ast.PosList, ctx: Ctx) -> SweepAxis:
+    """`t in 2, "Tower", -1`: each position resolved in the sweep's prompt, none twice. A number from the
+    end keeps its label (a donor counts it from its own end); a quoted piece's label is its position."""
+    positions: list[int] = []
+    labels: list[int] = []
+    for p in d.items:
+        if isinstance(p, ast.IntPos):
+            labels.append(p.value)
+            positions.append(index(scope, p.value, ctx.toks, ctx.prompt, p.span, f"{axis.var} reaches {p.value}: "))
+        elif isinstance(p, ast.PiecePos):
+            positions.append(piece(scope, p, ctx.toks, ctx.prompt))
+            labels.append(positions[-1])
+        else:
+            scope.fail(f"'{ast.format_position(p)}' is a record's field: a sweep on a dataset's records "
+                       f"(sweep NAME on {p.field.dataset} over ...) takes it", p.span)
+        if positions[-1] in positions[:-1]:
+            scope.fail(f"{axis.var} names token {positions[-1]} twice: each position once", p.span)
+    return SweepAxis(axis.var, "position", tuple(positions), tuple(labels), span=axis.span)
 
 
 # -- bodies --
@@ -262,11 +284,13 @@ def measure(scope: Scope, call: ast.MeasureCall, alias: str | None, ctx: Ctx) ->
     step = ctx.step
     if isinstance(call, (ast.Prob, ast.Rank, ast.LogitDiff)):
         texts = (call.a, call.b) if isinstance(call, ast.LogitDiff) else (call.token,)
-        ids = tuple(single_token(scope, s, call.span) for s in texts)
         kind = {ast.Prob: "prob", ast.Rank: "rank", ast.LogitDiff: "logit_diff"}[type(call)]
+        answers = tuple(answer_tokens(scope, s, call.span, kind, ctx) for s in texts)
+        ids = tuple(a[0] for a in answers)
         text = measure_call_text(kind, texts, None, "")
         name = measure_result_name(ctx.name, step, text, alias, None, False)
-        return [ResolvedMeasure(kind, name, step, ids, texts, written=text, alias=alias, span=call.span)]
+        return [ResolvedMeasure(kind, name, step, ids, texts, written=text, alias=alias, span=call.span,
+                                answers=answers)]
     if isinstance(call, ast.KL):
         run, _, _ = run_target(scope, call.run, call.span, ctx, "kl")
         text = f"kl({run})"
@@ -283,18 +307,25 @@ def measure(scope: Scope, call: ast.MeasureCall, alias: str | None, ctx: Ctx) ->
     return out
 
 
-def single_token(scope: Scope, text: str, span: Span) -> int:
-    """The one token id `text` stands for; an error naming its pieces if it is several."""
+def answer_tokens(scope: Scope, text: str, span: Span, kind: str, ctx: Ctx) -> tuple[int, ...]:
+    """The token ids `text` stands for. Several are measured by teacher forcing (prob, logit_diff of a trace);
+    `rank`, a generate and a sweep take one token: an error naming the pieces otherwise."""
     if not text:
         scope.fail("an empty string is no token", span)
-    ids = token_id(scope.spec, text)
-    if len(ids) == 1 and ids[0] == scope.unk:
-        unk = scope.spec.tokenizer.unk_token
-        scope.fail(f"{ast.quote(text)} is not in this model's vocabulary: the tokenizer reads it as {unk!r} "
-                   f"(token {ids[0]}), and a measure of {unk!r} is not one of {ast.quote(text)}", span)
+    ids = tuple(token_id(scope.spec, text))
+    unk = scope.spec.tokenizer.unk_token
+    if scope.unk in ids:
+        whole = f" (token {scope.unk})" if len(ids) == 1 else f" (token {scope.unk}, one of its {len(ids)} pieces)"
+        scope.fail(f"{ast.quote(text)} is not in this model's vocabulary: the tokenizer reads it as {unk!r}{whole}, "
+                   f"and a measure of {unk!r} is not one of {ast.quote(text)}", span)
     if len(ids) == 1:
-        return ids[0]
-    pieces = " ".join(repr(t) for t in scope.spec.tokenizer.convert_ids_to_tokens(ids))
-    scope.fail(f"{ast.quote(text)} is {len(ids)} tokens for this model's tokenizer ({pieces}); a measure "
-               f"takes one token", span,
-               notes=[f"its first token alone is {ast.quote(scope.spec.tokenizer.decode(ids[:1]))}"] if ids else [])
+        return ids
+    pieces = " ".join(repr(t) for t in scope.spec.tokenizer.convert_ids_to_tokens(list(ids)))
+    where = {"rank": "`rank` takes one token", "generate": "a measure in a generate takes one token",
+             "sweep": "a measure in a sweep takes one token"}
+    why = where.get(kind) or where.get(ctx.kind)
+    if why is not None:
+        scope.fail(f"{ast.quote(text)} is {len(ids)} tokens for this model's tokenizer ({pieces}); {why}", span,
+                   notes=[f"its first token alone is {ast.quote(scope.spec.tokenizer.decode(list(ids[:1])))}; "
+                          "prob and logit_diff in a trace measure an answer of several tokens by teacher forcing"])
+    return ids
