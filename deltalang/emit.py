@@ -153,6 +153,19 @@ def _prompt_ref(run: RunPlan, prompts: dict[str, str]) -> str:
     return f"PROMPTS[{run.prompt!r}]" if run.prompt in prompts else repr(run.prompt_text)
 
 
+def _keep(p: Pass) -> str:
+    """`, logits_to_keep=K`: the last positions whose logits the pass's measures need (the LM head is
+    applied to those only; every value is the same), unless a run reads `logits` itself."""
+    keep = 1
+    for r in p.runs:
+        for op in r.ops:
+            if op.value == "logits":
+                if not op.hidden:
+                    return ""
+                keep = max(keep, r.answer_len)
+    return f", logits_to_keep={keep}"
+
+
 def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tuple[str, ...]]) -> None:
     names = ", ".join(r.name + (" (implicit)" if r.implicit else "") for r in p.runs)
     w.add(1, f"# pass {p.index}: {names}")
@@ -168,10 +181,10 @@ def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tu
         emit_run_body(w, run, depth + 1, tokens)
     elif len(p.runs) == 1:
         run = p.runs[0]
-        w.add(depth, f"with torch.no_grad(), model.trace({_prompt_ref(run, prompts)}):")
+        w.add(depth, f"with torch.no_grad(), model.trace({_prompt_ref(run, prompts)}{_keep(p)}):")
         emit_run_body(w, run, depth + 1, tokens)
     else:
-        w.add(depth, "with torch.no_grad(), model.trace() as tracer:")
+        w.add(depth, f"with torch.no_grad(), model.trace({_keep(p)[2:]}) as tracer:")
         longest = max(r.n_tokens for r in p.runs)
         for run in p.runs:
             pad = longest - run.n_tokens

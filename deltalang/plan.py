@@ -103,6 +103,7 @@ class RunPlan:
     why: str = ""  # for implicit runs: what needs them
     n_tokens: int = 0  # the prompt's tokens
     token_ids: tuple[int, ...] = ()  # a teacher-forced run's tokens (the prompt and an answer's first tokens)
+    answer_len: int = 1  # the last positions whose logits its measures read (a teacher-forced answer's tokens)
 
 
 @attrs.frozen
@@ -146,9 +147,7 @@ class Plan:
         return keys + [m.result_name for _, m in self.measures]
 
 
-# ---------------------------------------------------------------------------
-# 1. runs and donor reads
-# ---------------------------------------------------------------------------
+# -- 1. runs and donor reads -----------------------------------------------
 
 
 def donor_key(run: str, layer: int | None, value: str, position: int | None, step: int | None) -> str:
@@ -333,7 +332,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
             ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, source=src,
                                       donor_key=dkey, text=op.written, span=op.span))
     measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor) for run, m in measures}
-    forced: dict[str, tuple[int, ...]] = {}
+    forced: dict[str, tuple[tuple[int, ...], int]] = {}  # run -> (its tokens, the answer's length)
     for run, m in measures:
         if m.forced:
             measure_inputs[m.result_name] = _forced_reads(meta, ops, edges, forced, implicit_why, meta[run], m)
@@ -344,12 +343,13 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
                               ops=tuple(sort_ops(mark_states_as_run(ops[name]))),
                               max_new_tokens=r.max_new_tokens, route=r.route, implicit=r.implicit,
                               why=implicit_why.get(name, ""), n_tokens=len(r.token_ids),
-                              token_ids=forced.get(name, ()))
+                              token_ids=forced[name][0] if name in forced else (),
+                              answer_len=forced[name][1] if name in forced else 1)
     return plans, edges, combines, measures, measure_inputs
 
 
 def _forced_reads(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]], edges: list[tuple[str, str, Any]],
-                  forced: dict[str, tuple[int, ...]], why: dict[str, str], r: ResolvedRun,
+                  forced: dict[str, tuple[tuple[int, ...], int]], why: dict[str, str], r: ResolvedRun,
                   m: ResolvedMeasure) -> tuple[str, ...]:
     """A measure of an answer of several tokens: per such answer, a run of the prompt and the answer's
     tokens but the last (teacher forcing) with the run's writes, whose logits it reads; an answer of one
@@ -365,7 +365,7 @@ def _forced_reads(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]], ed
             continue
         meta[name] = attrs.evolve(r, name=name, prompt=name, prompt_text=r.prompt_text + text,
                                   token_ids=r.token_ids + answer[:-1], implicit=True)
-        forced[name] = r.token_ids + answer[:-1]
+        forced[name] = (r.token_ids + answer[:-1], len(answer))
         why[name] = f"teacher forcing of {ast_quote(text)} for {r.name}"
         ops[name] = [PlanOp("read", None, "logits", None, None, keys[-1], text=m.written, span=m.span)]
         for op in ops[r.name]:
@@ -416,9 +416,7 @@ def sort_ops(ops: Iterable[PlanOp]) -> list[PlanOp]:
     return sorted(ops, key=PlanOp.sort_key)
 
 
-# ---------------------------------------------------------------------------
-# 2. order
-# ---------------------------------------------------------------------------
+# -- 2. order --------------------------------------------------------------
 
 
 def order_runs(plans: dict[str, RunPlan], edges: list[tuple[str, str, Any]],
@@ -449,9 +447,7 @@ def order_runs(plans: dict[str, RunPlan], edges: list[tuple[str, str, Any]],
             for stage in nx.topological_generations(g)]
 
 
-# ---------------------------------------------------------------------------
-# 3. passes
-# ---------------------------------------------------------------------------
+# -- 3. passes -------------------------------------------------------------
 
 
 BATCH_TOKENS = 16384  # at most this many (padded) tokens in one shared forward

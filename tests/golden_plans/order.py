@@ -17,7 +17,7 @@ PROMPTS = {
 def experiment(model):
     results = {}
     # pass 1: t
-    with torch.no_grad(), model.trace(PROMPTS['clean']):
+    with torch.no_grad(), model.trace(PROMPTS['clean'], logits_to_keep=1):
         results['t.L0.conv_window_after(5)'] = model.layers[0].linear_attn.conv_window_after(5).save()  # order.dl:13 token 5 = 'i'
         results['t.L0.decays'] = model.layers[0].linear_attn.decays.save()  # order.dl:12
         results['t.L0.attention_output'] = model.layers[0].linear_attn.attention_output.save()  # order.dl:11

@@ -18,7 +18,7 @@ PROMPTS = {
 def experiment(model):
     results = {}
     # pass 1: other (implicit), base
-    with torch.no_grad(), model.trace() as tracer:
+    with torch.no_grad(), model.trace(logits_to_keep=1) as tracer:
         with tracer.invoke(PROMPTS['other']):  # other (31 tokens, 3 padding)
             results['~other.L0.state_after(15)'] = model.layers[0].linear_attn.state_after(15).save()  # tour.dl:11 token 15 = 'o'
             results['~other.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # tour.dl:18
@@ -31,7 +31,7 @@ def experiment(model):
             results['base.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # tour.dl:6
             results['clean_probs'] = model.next_token_probs.save()  # tour.dl:7
     # pass 2: patched
-    with torch.no_grad(), model.trace(PROMPTS['clean']):
+    with torch.no_grad(), model.trace(PROMPTS['clean'], logits_to_keep=1):
         results['before'] = model.layers[0].linear_attn.state_after(2).save()  # tour.dl:12 token 2 = 'e'
         model.layers[0].linear_attn.set_state_after(15, results['~other.L0.state_after(15)'])  # tour.dl:11 token 15 = 'r'
         results['after'] = model.layers[0].linear_attn.state_after(33).save()  # tour.dl:13 token 33 = 'f'
