@@ -2,13 +2,16 @@
 
 Reads a `ModelSpec` (no weights) and the kernel routing (`deltalang.kernels`):
 `status` says whether block i serves a value, or why not (the block's kind, or a
-compiled kernel without Python source); `support_table` is `DeltaModel.support()`;
-`format_info` is the table `deltalang info` prints.
+compiled kernel without Python source); `served_by` names what computes a value
+(the torch reference, or FLA's kernel on CUDA tensors where FLA is installed:
+`deltalang.backends`); `support_table` is `DeltaModel.support()` (with
+`kernels=True`, each available entry names what serves it); `format_info` is the
+table `deltalang info` prints.
 """
 
 from __future__ import annotations
 
-from . import kernels, values
+from . import backends, kernels, values
 from .spec import ModelSpec
 
 AVAILABLE = "available"
@@ -24,10 +27,33 @@ def kernel_names(spec: ModelSpec) -> tuple[str, str]:
     elif route == "torch":
         prompt = "pure-torch token-by-token"
     else:
-        prompt = "pure-torch chunked"
+        prompt = _named(kernels.backend(fam, fam.chunk_kernel), "pure-torch chunked")
     decode = (f"compiled ({compiled[fam.recurrent_kernel]})" if fam.recurrent_kernel in compiled
-              else "pure-torch token-by-token")
+              else _named(kernels.backend(fam, fam.recurrent_kernel), "pure-torch token-by-token"))
     return prompt, decode
+
+
+def _named(impl: backends.Backend, torch_words: str) -> str:
+    """A kernel in words: `torch_words` for the torch reference, else the implementation and where it runs."""
+    words = impl.describe()
+    return torch_words if words == "torch reference" else words.replace("torch reference", torch_words)
+
+
+def served_by(spec: ModelSpec, name: str) -> str:
+    """What computes value `name` of a DeltaNet block on this process, in words."""
+    fam = spec.family
+    v = values.CATALOGUE[name]
+    if name in ("states", "states_as_run"):
+        return "deltalang's chunked delta rule (torch, any device)"
+    if name.startswith("conv_window"):
+        return "convolution: " + kernels.backend(fam, fam.conv_fn).describe()
+    if not v.kernel:
+        return "the model's forward"
+    if kernels.current_route(fam) == "torch":
+        return "deltalang's token-by-token delta rule (route torch)"
+    prompt = kernels.backend(fam, fam.chunk_kernel).describe()
+    decode = kernels.backend(fam, fam.recurrent_kernel).describe()
+    return f"prompt: {prompt}; decode step: {decode}" if prompt != decode else prompt
 
 
 def status(spec: ModelSpec, layer: int, name: str) -> str:
@@ -49,12 +75,19 @@ def status(spec: ModelSpec, layer: int, name: str) -> str:
     return AVAILABLE
 
 
-def support_table(spec: ModelSpec) -> dict[str, list[str]]:
-    """`{"linear_attn.<value>": [status per block], "output": [...]}`."""
+def support_table(spec: ModelSpec, kernels: bool = False) -> dict[str, list[str]]:
+    """`{"linear_attn.<value>": [status per block], "output": [...]}`.
+
+    With `kernels=True` an available entry reads `available: <what serves it>` (`served_by`).
+    """
     table: dict[str, list[str]] = {}
     for name, v in values.CATALOGUE.items():
         key = name if name == "output" else f"linear_attn.{name}"
-        table[key] = [status(spec, i, name) for i in range(spec.num_layers)]
+        row = [status(spec, i, name) for i in range(spec.num_layers)]
+        if kernels:
+            how = served_by(spec, name)
+            row = [f"{AVAILABLE}: {how}" if st == AVAILABLE else st for st in row]
+        table[key] = row
     return table
 
 
@@ -98,4 +131,10 @@ def format_info(spec: ModelSpec) -> str:
         for reason, mark in reasons.items():
             console.print(f"{mark} {reason}")
         console.print("model values: " + ", ".join(values.MODEL_VALUES))
+        if spec.linear_layers():
+            console.print("served by (CUDA tensors go to a compiled kernel where one is installed, "
+                          "others to the torch reference):")
+            for name, v in values.CATALOGUE.items():
+                if name not in values.MODEL_VALUES:
+                    console.print(f"  {name}: {served_by(spec, name)}")
     return cap.get()

@@ -16,6 +16,11 @@ asks, and `unwind` / `unwinding()` drop the calls that have ended. A dispatcher
 knows a site only through the `Site` protocol, so this module never imports
 `deltalang.mixer`.
 
+What a dispatcher calls is chosen per call by the tensors' device
+(`deltalang.backends`): the compiled implementation transformers bound (FLA) for
+CUDA tensors, the torch reference for others. Packed sequences (`cu_seqlens`)
+reach FLA as they are, and the torch reference one sequence at a time.
+
 Because the dispatcher is what the globals hold from the first `load_model` on,
 routing (`route_kernels`) only changes a table the dispatcher reads: it works
 after a model has been traced, and even inside a forward nnsight has compiled
@@ -37,13 +42,15 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from . import families
+from . import backends, families
 from .errors import DeltaValueError
 
 ROUTES = ("default", "torch")
 
 # family name -> {global name: the function transformers bound at import}
 _ORIGINALS: dict[str, dict[str, Callable[..., Any]]] = {}
+# family name -> {global name: what that function runs (`deltalang.backends`)}
+_BACKENDS: dict[str, dict[str, backends.Backend]] = {}
 # family name -> "default" | "torch"
 _ROUTE: dict[str, str] = {}
 
@@ -140,6 +147,20 @@ def has_python_source(fn: Callable[..., Any]) -> bool:
     return ok
 
 
+def backend(fam: families.Family, name: str) -> backends.Backend:
+    """What the kernel global `name` of `fam` runs: its torch reference and compiled implementation."""
+    install(fam)
+    return _BACKENDS[fam.name][name]
+
+
+def chosen(fam: families.Family, name: str, device: torch.device | str | None) -> Callable[..., Any]:
+    """The function a call of kernel `name` on `device` runs (`backends.Backend.pick`), or a DeltaError."""
+    fn = backend(fam, name).pick(device)
+    if fn is None:
+        raise DeltaValueError(f"{name} -> {backend(fam, name).name} has no torch reference to run on {device}")
+    return fn
+
+
 def compiled_message(fam: families.Family, name: str) -> str:
     fn = _ORIGINALS[fam.name][name]
     where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
@@ -165,6 +186,7 @@ def install(fam: families.Family) -> None:
     module = fam.module
     originals = {name: _unwrapped(getattr(module, name)) for name in _kernel_names(fam)}
     _ORIGINALS[fam.name] = originals
+    _BACKENDS[fam.name] = {name: backends.of(fn) for name, fn in originals.items()}
     _ROUTE.setdefault(fam.name, "default")
     setattr(module, fam.chunk_kernel, _make_dispatch(fam, "chunk", originals[fam.chunk_kernel]))
     setattr(module, fam.recurrent_kernel, _make_dispatch(fam, "recurrent", originals[fam.recurrent_kernel]))
@@ -182,6 +204,7 @@ def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
 def uninstall(fam: families.Family) -> None:
     """Put back exactly the functions transformers bound at import."""
     originals = _ORIGINALS.pop(fam.name, None)
+    _BACKENDS.pop(fam.name, None)
     if originals is None:
         return
     for name, fn in originals.items():
@@ -228,12 +251,14 @@ def current_route(family: Any) -> str:
     return _ROUTE.get(families.resolve(family).name, "default")
 
 
-def prompt_kernel(fam: families.Family) -> Callable[..., Any]:
-    """The kernel a prompt runs through under the current route."""
+def prompt_kernel(fam: families.Family, device: torch.device | str | None = None) -> Callable[..., Any]:
+    """The kernel a prompt on `device` runs through under the current route (None: the bound one)."""
     install(fam)
     if _ROUTE[fam.name] == "torch":
         return token_by_token(fam)
-    return _ORIGINALS[fam.name][fam.chunk_kernel]
+    if device is None:
+        return _ORIGINALS[fam.name][fam.chunk_kernel]
+    return chosen(fam, fam.chunk_kernel, device)
 
 
 _TOKEN_KERNELS: dict[str, Callable[..., Any]] = {}
@@ -255,28 +280,37 @@ def token_by_token(fam: families.Family) -> Callable[..., Any]:
 
 
 def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    name = {"chunk": fam.chunk_kernel, "recurrent": fam.recurrent_kernel, "conv": fam.conv_fn,
+            "conv_update": fam.conv_update}[which]
+    impl = _BACKENDS[fam.name][name]
+
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         site = current_site()
+        device = backends.device_of(args, kwargs)
         if which == "chunk":
             if site is not None and site.active():
-                return site.kernel(prompt_kernel(fam), False, *args, **kwargs)
+                return site.kernel(prompt_kernel(fam, device), False, *args, **kwargs)
             if _ROUTE[fam.name] == "torch":
                 kwargs.pop("chunk_size", None)
-                return token_by_token(fam)(*args, **kwargs)
-            return fn(*args, **kwargs)
+                return _packed(token_by_token(fam), impl, args, kwargs)
+            return _packed(chosen(fam, name, device), impl, args, kwargs)
+        run = chosen(fam, name, device)
         if which == "recurrent":
             if site is not None and site.active():
-                return site.kernel(fn, True, *args, **kwargs)
-            return fn(*args, **kwargs)
+                return site.kernel(run, True, *args, **kwargs)
+            return _packed(run, impl, args, kwargs)
         if which == "conv":
+            cu = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
             if site is not None and site.active():
-                return site.conv(fn, *args, **kwargs)
-            return fn(*args, **kwargs)
+                return site.conv(run, *args, **kwargs)
+            if cu is not None:  # no conv implementation keeps packed sequences apart: one call each
+                return backends.conv_per_sequence(run, cu, *args, **kwargs)
+            return run(*args, **kwargs)
         if site is not None and site.active():
-            return site.conv_update(fn, *args, **kwargs)
-        return fn(*args, **kwargs)
+            return site.conv_update(run, *args, **kwargs)
+        return run(*args, **kwargs)
 
-    def guarded(*args: Any, **kwargs: Any) -> Any:  # fn is compiled code: see `chosen` below
+    def guarded(*args: Any, **kwargs: Any) -> Any:  # fn is compiled code: see below
         site = current_site()
         if site is not None and site.active() and which != "recurrent":
             if which != "chunk" or _ROUTE[fam.name] != "torch":
@@ -285,11 +319,24 @@ def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> 
         return dispatch(*args, **kwargs)
 
     # the common case, a kernel with Python source, pays for no check
-    chosen = dispatch if has_python_source(fn) else guarded
-    chosen.__name__ = getattr(fn, "__name__", which)
-    chosen.__qualname__ = f"deltalang_dispatch.{chosen.__name__}"
-    chosen.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
-    return chosen
+    out = dispatch if has_python_source(fn) else guarded
+    out.__name__ = getattr(fn, "__name__", which)
+    out.__qualname__ = f"deltalang_dispatch.{out.__name__}"
+    out.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
+    return out
+
+
+def _packed(run: Callable[..., Any], impl: backends.Backend, args: tuple, kwargs: dict) -> Any:
+    """Call a delta-rule kernel; packed sequences (`cu_seqlens`) one by one unless FLA itself runs."""
+    cu = kwargs.get("cu_seqlens")
+    if cu is None:  # Kimi's forward passes the model's `cu_seq_lens_q` on as it is
+        cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return run(*args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seqlens", "cu_seq_lens_q")}
+    if run is impl.compiled and impl.reference is not None:  # FLA keeps the sequences apart itself
+        return run(*args, cu_seqlens=cu, **kwargs)
+    return backends.per_sequence(run, cu, *args, **kwargs)
 
 
 # --------------------------------------------------------------------------

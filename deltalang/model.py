@@ -79,13 +79,14 @@ class DeltaModel(LanguageModel):
     def linear_layers(self) -> list[int]:
         return self.spec.linear_layers()
 
-    def support(self, layer: int | None = None) -> dict[str, Any]:
+    def support(self, layer: int | None = None, kernels: bool = False) -> dict[str, Any]:
         """Which values each block serves: `"available"` or the reason it is not.
 
         `support()` maps `"linear_attn.states"` etc. to a list over blocks;
-        `support(layer=i)` to block i's entry.
+        `support(layer=i)` to block i's entry; `kernels=True` names what serves each
+        available value (`"available: fla chunk_gated_delta_rule (compiled) on CUDA, ..."`).
         """
-        table = support_table(self.spec)
+        table = support_table(self.spec, kernels=kernels)
         if layer is None:
             return table
         if not 0 <= layer < self.spec.num_layers:

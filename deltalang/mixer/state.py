@@ -8,6 +8,11 @@ looks at which `state_after` positions a worker is parked on, runs the chunked
 kernel up to the first, serves (and maybe replaces) the state there, looks
 again, and continues with `initial_state` from it. Only the positions an
 experiment asks for are ever materialised, and the work is the chunked kernel's.
+
+The kernel split is the one `deltalang.kernels` chose for the call's device
+(flash-linear-attention's on CUDA tensors where it is installed, transformers'
+torch reference elsewhere: `deltalang.backends`); every segment is one call of it.
+A packed call (`cu_seqlens`) is refused with a one-line error, never merged.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from .. import kernels
 from ..errors import DeltaValueError
 from .requests import Requests
+from .rows import split_by_rows
 
 if TYPE_CHECKING:
     from ..families import Family
@@ -39,7 +45,11 @@ class DeltaRuleCall(Requests):
         initial = kw.pop("initial_state", None)
         want_final = bool(kw.pop("output_final_state", False))
         l2 = bool(kw.pop("use_qk_l2norm_in_kernel", False))
-        kw.pop("cu_seqlens", None)
+        packed = kw.pop("cu_seqlens", None)
+        if kw.pop("cu_seq_lens_q", None) is not None or packed is not None:  # never merge packed sequences
+            raise DeltaValueError(
+                f"L{self.layer}: packed sequences (cu_seqlens) are run, not served: a trace that reads or "
+                f"writes a DeltaNet value needs them as a padded batch (one row per sequence)")
         query = self.serve("attention_queries", query, step)
         key = self.serve("attention_keys", key, step)
         value = self.serve("attention_values", value, step)
@@ -78,21 +88,40 @@ class DeltaRuleCall(Requests):
                                       use_qk_l2norm_in_kernel=l2)
                 return out, final
 
-        pieces, state = self._split(run, s, initial, step, query, l2)
+        def run_rows(rows: list[int], a: int, b: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            return fn(query[rows, a:b], key[rows, a:b], value[rows, a:b], g=g[rows, a:b], beta=beta[rows, a:b],
+                      initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+
+        grouped = None if self.wants("states") else split_by_rows(
+            self, run_rows, s, initial, step, query, l2)  # invokes asking for different positions
+        if grouped is not None:
+            pieces, state, self.row_segments = [grouped[0]], grouped[1], grouped[2]
+        else:
+            pieces, state = self._split(run, s, initial, step, query, l2)
+            self.row_segments = [(list(range(query.shape[0])), self.segments)]
         if self.wants("states_as_run"):
-            # the state after every token of the forward as it ran, the writes at positions applied
-            parts = [kernels.per_token(self.family, query[:, a:b], key[:, a:b], value[:, a:b], g[:, a:b],
-                                       beta[:, a:b], start, l2)[1] for a, b, start in self.segments]
-            as_run = torch.cat(parts, dim=1)
-            for (_, end, _), (_, _, start) in zip(self.segments, self.segments[1:]):
-                as_run[:, end - 1] = start  # a segment ends at a split position: the state there as written
-            self.serve("states_as_run", as_run, step)
+            self.serve("states_as_run", self._as_run(query, key, value, g, beta, l2), step)
         out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         out = self.serve("attention_head_outputs", out, step)
         final = self.serve("state_output", state, step)
         if final is not state:
             final = self._checked_state(final, value, "state_output")
         return out, (final if want_final else None)
+
+    def _as_run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, l2: bool) -> torch.Tensor:
+        """The state after every token of the forward as it ran, the writes at positions applied."""
+        as_run = None
+        for rows, segments in self.row_segments:
+            parts = [kernels.per_token(self.family, query[rows, a:b], key[rows, a:b], value[rows, a:b],
+                                       g[rows, a:b], beta[rows, a:b], start, l2)[1] for a, b, start in segments]
+            part = torch.cat(parts, dim=1)
+            for (_, end, _), (_, _, start) in zip(segments, segments[1:]):
+                part[:, end - 1] = start  # a segment ends at a split position: the state there as written
+            as_run = part.new_empty((query.shape[0], *part.shape[1:])) if as_run is None else as_run
+            as_run[rows] = part
+        assert as_run is not None
+        return as_run
 
     def _split(self, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], s: int,
                initial: torch.Tensor | None, step: int, query: torch.Tensor,

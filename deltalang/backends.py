@@ -1,0 +1,199 @@
+"""Which implementation runs behind a transformers kernel global, and which one serves a call.
+
+transformers 5.24 binds each DeltaNet kernel global (`torch_chunk_gated_delta_rule`,
+`causal_conv1d_fn`, ...) to a `functools.wraps(torch_fn)` wrapper made by
+`integrations.hub_kernels.use_kernel_func_from_hub_with_fallback`: it tried `import fla` (or
+`causal_conv1d`) once, when the modeling module was imported, with no device check, and its
+closure holds the `implementation` it chose and the `torch_function`; `__wrapped__` is the torch
+reference. `of(fn)` reads that, and copes with the other forms a global can take: a plain torch
+function (older transformers, or the wrapper unwrapped), a wrapper of a form it does not know
+(its `__wrapped__` chain ends in the torch reference; what it runs is unknown), or compiled code
+with no reference at all.
+
+`Backend.pick(device)` is the function a call on `device` runs:
+- mode `"auto"` (the default): the compiled implementation for CUDA tensors, the torch reference
+  for every other device, so a CPU run never reaches FLA's Triton kernels (which need a GPU);
+- mode `"reference"`: the torch reference everywhere;
+- mode `"compiled"`: the compiled implementation everywhere (FLA under Triton's interpreter,
+  `TRITON_INTERPRET=1`, on a CPU: the tests).
+Where the implementation is the reference, `pick` returns the global's own function (the wrapper),
+so nothing changes when FLA is not installed. Compiled code bound without a reference runs in
+`auto` mode wherever it is called; `pick` returns None only where nothing can serve: such code in
+`reference` mode.
+
+`per_sequence(fn, cu_seqlens, ...)` runs a delta-rule kernel once per packed sequence
+(`cu_seqlens`, batch 1, one initial state per sequence) and joins the results: what FLA does with
+`cu_seqlens`, for a kernel (the torch reference) that would otherwise merge the sequences.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import attrs
+import torch
+
+from .errors import DeltaValueError
+
+MODES = ("auto", "reference", "compiled")
+_MODE = ["auto"]
+
+
+@attrs.frozen
+class Backend:
+    """What one kernel global runs: its torch reference and its compiled implementation, if any."""
+
+    fn: Callable[..., Any]  # the global as transformers bound it
+    reference: Callable[..., Any] | None  # transformers' pure-torch function
+    compiled: Callable[..., Any] | None  # what runs the compiled implementation (None: torch only)
+    name: str  # the compiled implementation in words ("fla chunk_gated_delta_rule"), "" if none
+
+    def pick(self, device: torch.device | str | None) -> Callable[..., Any] | None:
+        """The function a call on `device` runs under the current mode (None: nothing can serve it)."""
+        if self.compiled is None:
+            return self.fn
+        mode = _MODE[0]
+        cuda = device is not None and torch.device(device).type == "cuda"
+        if mode == "compiled" or (mode == "auto" and (cuda or self.reference is None)):
+            return self.compiled  # (auto: compiled code without a reference runs where it is bound)
+        return self.reference
+
+    def describe(self, device: torch.device | str | None = None) -> str:
+        """In words: what serves a call on `device` (None: every device, as a rule)."""
+        if self.compiled is None:
+            return "torch reference"
+        if self.reference is None:
+            return f"{self.name} (compiled; no torch reference)"
+        if device is None:
+            if _MODE[0] == "auto":
+                return f"{self.name} (compiled) on CUDA, torch reference elsewhere"
+            return f"{self.name} (compiled)" if _MODE[0] == "compiled" else "torch reference"
+        return f"{self.name} (compiled)" if self.pick(device) is self.compiled else "torch reference"
+
+
+def of(fn: Callable[..., Any]) -> Backend:
+    """Read what a kernel global runs (see the module docstring for the forms it knows)."""
+    f: Any = fn
+    seen = 0
+    while f is not None and seen < 16:  # the chain of wrappers, outermost first
+        closure = _closure(f)
+        if "implementation" in closure and "torch_function" in closure:
+            impl, ref = closure["implementation"], closure["torch_function"]
+            if impl is ref or not callable(impl):
+                return Backend(fn, ref, None, "")
+            package = closure.get("package")
+            name = closure.get("func_name") or getattr(impl, "__name__", "implementation")
+            label = f"{package} {name}" if isinstance(package, str) else _where(impl)
+            return Backend(fn, ref, fn, label)
+        f = getattr(f, "__wrapped__", None)
+        seen += 1
+    inner = _innermost(fn)
+    if inner is fn:
+        if _is_transformers_torch(fn):
+            return Backend(fn, fn, None, "")
+        return Backend(fn, None, fn, _where(fn))  # compiled code with no reference
+    if _is_transformers_torch(inner):
+        return Backend(fn, inner, fn, f"{_where(fn)} (a wrapper of unknown form)")
+    return Backend(fn, None, fn, _where(fn))
+
+
+def _closure(f: Any) -> dict[str, Any]:
+    code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None)
+    if code is None or not cells:
+        return {}
+    out = {}
+    for name, cell in zip(code.co_freevars, cells):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    return out
+
+
+def _innermost(fn: Any) -> Any:
+    seen = 0
+    while hasattr(fn, "__wrapped__") and seen < 16:
+        fn = fn.__wrapped__
+        seen += 1
+    return fn
+
+
+def _is_transformers_torch(fn: Any) -> bool:
+    return (getattr(fn, "__module__", "") or "").startswith("transformers.") and hasattr(fn, "__code__")
+
+
+def _where(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def mode() -> str:
+    """The process-wide implementation mode (`auto`, `reference` or `compiled`)."""
+    return _MODE[0]
+
+
+def set_mode(new: str) -> None:
+    """Set the process-wide implementation mode (see the module docstring)."""
+    if new not in MODES:
+        raise DeltaValueError(f"unknown kernel mode {new!r}; one of {', '.join(MODES)}")
+    _MODE[0] = new
+
+
+@contextmanager
+def using(new: str) -> Iterator[None]:
+    """The implementation mode for a `with` block; the mode before it is restored after."""
+    before = _MODE[0]
+    set_mode(new)
+    try:
+        yield
+    finally:
+        _MODE[0] = before
+
+
+def device_of(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device of a kernel call: that of its first tensor argument."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return None
+
+
+def per_sequence(fn: Callable[..., Any], cu_seqlens: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                 **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A delta-rule kernel over packed sequences, one call per sequence, as FLA does with `cu_seqlens`.
+
+    Inputs `[1, total, heads, d]`; `initial_state` `[n, heads, dk, dv]` (one per sequence) or None;
+    the final states come back `[n, heads, dk, dv]`.
+    """
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if query.shape[0] != 1 or bounds[0] != 0 or bounds[-1] != query.shape[1] or bounds != sorted(bounds):
+        raise DeltaValueError(f"cu_seqlens {bounds} does not pack a batch of one row of {query.shape[1]} tokens")
+    n = len(bounds) - 1
+    if initial_state is not None and initial_state.shape[0] != n:
+        raise DeltaValueError(f"cu_seqlens packs {n} sequences but initial_state has {initial_state.shape[0]}")
+    outs, finals = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        start = initial_state[i:i + 1] if initial_state is not None else None
+        if a == b:  # an empty sequence: no output, its state unchanged
+            shape = (1, value.shape[2], key.shape[3], value.shape[3])
+            finals.append(start if start is not None else query.new_zeros(shape, dtype=torch.float32))
+            continue
+        out, final = fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                        initial_state=start, output_final_state=True, **kw)
+        outs.append(out)
+        finals.append(final)
+    out = torch.cat(outs, dim=1) if outs else value.new_zeros(value.shape)
+    return out, (torch.cat(finals, dim=0) if output_final_state else None)
+
+
+def conv_per_sequence(fn: Callable[..., Any], cu_seqlens: torch.Tensor, hidden_states: torch.Tensor,
+                      *args: Any, **kw: Any) -> torch.Tensor:
+    """A prompt's short convolution over packed sequences (`[1, channels, total]`), one call per sequence."""
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if hidden_states.shape[0] != 1 or bounds[0] != 0 or bounds[-1] != hidden_states.shape[-1]:
+        raise DeltaValueError(f"cu_seqlens {bounds} does not pack a batch of one row of "
+                              f"{hidden_states.shape[-1]} tokens")
+    parts = [fn(hidden_states[..., a:b], *args, **kw) for a, b in zip(bounds, bounds[1:]) if b > a]
+    return torch.cat(parts, dim=-1)
