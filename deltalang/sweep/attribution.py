@@ -1,0 +1,472 @@
+"""Attribution over the recurrent memory: every cell of a sweep estimated from a few backward passes.
+
+Contract. `attribute(exp, steps=k, refine=K, exact=run_sweeps, path=...)` takes a compiled program's
+first sweep whose cells write `state_after(t)` and/or `conv_window_after(t)` of the cell's own block
+at the cell's own position (from a donor run, zeros, scale or mean) and measure `prob` or
+`logit_diff` of one-token answers. For every cell it estimates
+    effect(L, t) = M(patched) - M(clean) ~ sum over the cell's writes of <g, W' - W>,
+with W the clean value, W' the written one and g a gradient of M with respect to W
+(`deltalang.gradients`: the change propagates through block L's clean transitions by the delta
+rule's adjoint scan, one block's per-token states at a time, two with the donor's). Variants:
+- `plain`: g at the clean run (first-order attribution patching);
+- `blk<k>` (path "blocks", the default): for each block L, g averaged over k points a = (j + 1/2)/k
+  of a path on which block L's kernel output moves from the clean run's to the donor's (all of
+  block L's cells together, the rest of the model recomputed; one pass per block, the k points
+  as rows). The patch of one cell changes block L's outputs linearly (its inputs do not depend
+  on its state), so the path follows what the patch does downstream, where the response is
+  switch-like; k passes' worth of work per block;
+- `out<k>` (path "outputs"): every swept block's output moved together, k passes in all (EAP-IG);
+- `emb<k>` (path "embeddings"): the input embeddings moved from the clean prompt's to the donor's.
+The integrated variants need one donor prompt of the clean prompt's length, or (paths blocks and
+outputs) writes that all zero or all scale by one factor: then the output moves to factor x its
+own (the output of states zeroed or scaled at every token); `steps=0` gives `plain` alone, and
+mean writes or mixed sources get `plain`.
+With `refine=K` the K cells of largest |default estimate| (first measure) run exactly through
+`exact` (the sweep engine, `driver.run_sweeps`), the sweep narrowed to those cells, one sweep per
+block. Returns an `Attribution`: rows of estimates (and exact values where refined), the table
+text and `DIR/attribution.csv` with `out`. The model's weights and their grads are left as they were.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from .. import gradients
+from ..compiled import Experiment
+from ..ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
+from ..model import DeltaModel, decoder_layers
+from .errors import DeltaSweepError
+from .job import measure_label
+
+VALUES = ("state_after", "conv_window_after")
+MEASURES = ("prob", "logit_diff")
+DEFAULT_STEPS = 4
+PATHS = {"outputs": "out", "embeddings": "emb", "blocks": "blk"}  # path -> the prefix of its variant's name
+DEFAULT_PATH = "blocks"
+
+
+@attrs.frozen
+class Target:
+    """A sweep as attribution reads it: its cells' writes, its measures, the donor of a path."""
+
+    sweep: ResolvedRun
+    cells: tuple[tuple[int, int], ...]  # (block, position) per point, in the sweep's order
+    writes: Mapping[tuple[int, int], tuple[ResolvedOp, ...]]
+    measures: tuple[ResolvedMeasure, ...]
+    donor: str | None  # the text of the one donor prompt of every write, if there is one
+    factor: float | None = None  # every write zeros (0) or scales by one factor: the outputs' path goes to factor x
+
+
+@attrs.define
+class AttributionRow:
+    """One cell and one measure: the estimates by variant and, once refined, the exact effect."""
+
+    block: int
+    position: int
+    token: str
+    measure: str
+    estimates: dict[str, float]
+    exact: float | None = None
+
+
+@attrs.define
+class Attribution:
+    """What `attribute` returns: one row per cell and measure; `variants` in column order."""
+
+    sweep: str
+    variants: list[str]
+    default: str
+    rows: list[AttributionRow]
+    clean: dict[str, float]  # measure -> its value on the clean prompt
+    files: list[Path] = attrs.Factory(list)
+
+    def grid(self, measure: str | None = None, variant: str | None = None) -> dict[tuple[int, int], float]:
+        """{(block, position): estimate} of one measure (default: the first) and variant (default: the default)."""
+        m = measure or self.rows[0].measure
+        v = variant or self.default
+        return {(r.block, r.position): r.estimates[v] for r in self.rows if r.measure == m}
+
+    def refined(self) -> list[AttributionRow]:
+        return [r for r in self.rows if r.exact is not None]
+
+    def table(self, top: int = 20) -> str:
+        """The cells of largest |default estimate|, estimates and exact side by side, as text."""
+        head = ["block", "pos", "token", "measure", *self.variants, "exact"]
+        rows = sorted(self.rows, key=lambda r: -abs(r.estimates[self.default]))[:top]
+        body = [[f"L{r.block}", str(r.position), repr(r.token), r.measure,
+                 *(f"{r.estimates[v]:+.4f}" for v in self.variants),
+                 "" if r.exact is None else f"{r.exact:+.4f}"] for r in rows]
+        widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+        lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *body]]
+        note = (f"sweep {self.sweep}: estimated effect M(patched) - M(clean) per cell; {describe(self.default)} "
+                f"is the default; exact: the sweep engine's patch (refined cells)")
+        return "\n".join([note, *lines])
+
+    def write_csv(self, path: str | Path) -> Path:
+        """One line per cell and measure: block, position, token, measure, each variant, exact."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with p.open("w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["block", "position", "token", "measure", *(f"estimate_{v}" for v in self.variants), "exact"])
+            for r in self.rows:
+                w.writerow([r.block, r.position, r.token, r.measure, *(repr(r.estimates[v]) for v in self.variants),
+                            "" if r.exact is None else repr(r.exact)])
+        return p
+
+
+def describe(variant: str) -> str:
+    """What a variant's column is."""
+    if variant == "plain":
+        return "plain (gradient at the clean run)"
+    return f"{variant} (gradient averaged over {variant[2:]} points of the embedding path clean -> donor)"
+
+
+# -- reading the sweep -------------------------------------------------------------------------
+
+
+def target_of(exp: Experiment) -> Target:
+    """The program's first sweep, checked for what attribution estimates."""
+    sweeps = [r for r in exp.resolved.runs if r.kind == "sweep"]
+    if not sweeps:
+        raise DeltaSweepError("method attribution estimates a sweep: the program has no sweep")
+    sw = sweeps[0]
+    kinds = {a.kind for a in sw.axes}
+    if kinds != {"block", "position"} or len(sw.axes) != 2:
+        raise DeltaSweepError(f"sweep {sw.name}: attribution needs one axis over blocks and one over positions")
+    for m in sw.measures:
+        if m.kind not in MEASURES or m.forced or m.step not in (None, 0):
+            raise DeltaSweepError(f"sweep {sw.name}: attribution differentiates {' and '.join(MEASURES)} of "
+                                  f"one-token answers at the next token; {m.written or m.kind} is not one")
+    cells: list[tuple[int, int]] = []
+    writes: dict[tuple[int, int], tuple[ResolvedOp, ...]] = {}
+    donors: set[str] = set()
+    for point in sw.points():
+        run = sw.instantiate(point)
+        ops = tuple(op for op in run.ops if op.kind == "write")
+        if len(ops) != len(run.ops) or not ops:
+            raise DeltaSweepError(f"sweep {sw.name}: attribution estimates writes only (no reads in the body)")
+        block, pos = ops[0].layer, ops[0].position
+        for op in ops:
+            if op.value not in VALUES or op.layer != block or op.position != pos or op.step not in (None, 0):
+                raise DeltaSweepError(
+                    f"sweep {sw.name}: attribution estimates writes of {' and '.join(VALUES)} at the cell's "
+                    f"block and position; {op.written} is not one")
+            if isinstance(op.source, FromRun):
+                donors.add(_run(exp, op.source.run).prompt_text)
+            elif not isinstance(op.source, (Zeros, Scale, Mean)):
+                raise DeltaSweepError(f"sweep {sw.name}: attribution takes writes from a run, zeros, scale or "
+                                      f"mean; {op.written} is written from something else")
+        assert block is not None and pos is not None
+        cells.append((block, pos))
+        writes[(block, pos)] = ops
+    only = [op.source for ops in writes.values() for op in ops]
+    donor = next(iter(donors)) if len(donors) == 1 and all(isinstance(s, FromRun) for s in only) else None
+    factors = {0.0 if isinstance(s, Zeros) else s.factor if isinstance(s, Scale) else None for s in only}
+    factor = next(iter(factors)) if len(factors) == 1 else None
+    return Target(sw, tuple(cells), writes, sw.measures, donor, factor)
+
+
+def _run(exp: Experiment, name: str) -> ResolvedRun:
+    for r in exp.resolved.runs:
+        if r.name == name:
+            return r
+    raise DeltaSweepError(f"no run named {name!r}")
+
+
+# -- recording forwards --------------------------------------------------------------------------
+
+
+def _ids(model: DeltaModel, text: str) -> torch.Tensor:
+    hf = model._module
+    return torch.tensor([model.spec.token_ids(text)], device=next(hf.parameters()).device)
+
+
+def measure_of(m: ResolvedMeasure, logits: torch.Tensor) -> torch.Tensor:
+    """The measure per row, differentiable, of the next-token logits `[b, s, vocab]`: `[b]`."""
+    x = logits[:, -1].float()
+    if m.kind == "prob":
+        return x.softmax(-1)[:, m.token_ids[0]]
+    return x[:, m.token_ids[0]] - x[:, m.token_ids[1]]
+
+
+def _record(model: DeltaModel, blocks: Sequence[int], ids: torch.Tensor | None = None,
+            embeds: torch.Tensor | None = None, measure: ResolvedMeasure | None = None,
+            shifts: dict[int, torch.Tensor] | None = None) -> gradients.Recording:
+    """One forward of `ids` (or input embeddings) recording `blocks`; with `measure`, its gradients."""
+    hf = model._module
+    layers = decoder_layers(hf)
+    attr = model.family.mixer_attr
+
+    def forward() -> torch.Tensor:
+        kw: dict[str, Any] = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+        return hf(**kw, use_cache=False, logits_to_keep=1).logits
+
+    with torch.set_grad_enabled(measure is not None):
+        rec = gradients.record(hf, model.family, sorted(set(blocks)), lambda i: getattr(layers[i], attr), forward,
+                               shifts)
+        if measure is not None:
+            rec.backward(measure_of(measure, rec.result).sum())  # rows are independent: each its own gradient
+    rec.result = rec.result.detach()
+    return rec
+
+
+def _with_frozen_weights(model: DeltaModel) -> list[torch.nn.Parameter]:
+    """Stop weight gradients (only activation gradients are wanted); returns what to give back."""
+    frozen = [p for p in model._module.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    return frozen
+
+
+def gradient_runs(model: DeltaModel, target: Target, steps: int, path: str, clean: gradients.Recording,
+                  donor: gradients.Recording | None) -> dict[str, dict[str, Any]]:
+    """{measure label: {variant: recordings whose gradients that variant averages}}.
+
+    `path` "outputs": at point a every swept block's kernel output is shifted by a * (donor's - clean's);
+    "embeddings": the input embeddings are (1 - a) * clean's + a * donor's; "blocks": each block's
+    own path, only its output shifted (k recordings per block: {block: recordings}).
+    """
+    blocks = sorted({b for b, _ in target.cells})
+    ids = _ids(model, target.sweep.prompt_text)
+    embed = model._module.get_input_embeddings()
+    out: dict[str, dict[str, Any]] = {}
+    frozen = _with_frozen_weights(model)
+    try:
+        for m in target.measures:
+            variants: dict[str, Any] = {}
+            x0 = embed(ids).detach()
+            variants["plain"] = [_record(model, blocks, embeds=x0.clone().requires_grad_(True), measure=m)]
+            if steps > 0:
+
+                def goal(b: int) -> torch.Tensor:  # where block b's output goes: the donor's, or factor x its own
+                    return _out(donor, b) if donor is not None else (target.factor or 0.0) * _out(clean, b)
+
+                if path == "blocks":  # each block's own path: one pass per block, its k points as rows
+                    a = (torch.arange(steps, dtype=torch.float32, device=x0.device) + 0.5) / steps
+                    variants[f"{PATHS[path]}{steps}"] = {
+                        b: [_record(model, [b], embeds=x0.expand(steps, -1, -1).clone().requires_grad_(True),
+                                    measure=m, shifts={b: a[:, None, None, None] * (goal(b) - _out(clean, b))})]
+                        for b in blocks}
+                    out[measure_label(m)] = variants
+                    continue
+                recs = []
+                for j in range(steps):
+                    a = (j + 0.5) / steps
+                    if path == "embeddings":
+                        assert target.donor is not None
+                        x1 = embed(_ids(model, target.donor)).detach()
+                        x = (x0 + a * (x1 - x0)).requires_grad_(True)
+                        recs.append(_record(model, blocks, embeds=x, measure=m))
+                    else:
+                        shifts = {b: a * (goal(b) - _out(clean, b)) for b in blocks}
+                        recs.append(_record(model, blocks, embeds=x0.clone().requires_grad_(True), measure=m,
+                                            shifts=shifts))
+                variants[f"{PATHS[path]}{steps}"] = recs
+            out[measure_label(m)] = variants
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    return out
+
+
+def _out(rec: gradients.Recording, block: int) -> torch.Tensor:
+    got = rec.blocks[block].out
+    assert got is not None
+    return got.detach()
+
+
+def check_path(model: DeltaModel, target: Target, steps: int, path: str) -> None:
+    """Refuse an integrated estimate the prompts cannot give: it needs one donor of the clean length."""
+    if steps <= 0:
+        return
+    if target.donor is None and (target.factor is None or path == "embeddings"):
+        raise DeltaSweepError(f"sweep {target.sweep.name}: steps={steps} integrates along a path from the clean run "
+                              f"to one donor prompt (or, but for path embeddings, to zeros or one scale); these "
+                              f"writes have none (mean or several sources): use steps=0 (plain)")
+    if target.donor is None:
+        return
+    n, d = len(target.sweep.token_ids), len(model.spec.token_ids(target.donor))
+    if n != d:
+        raise DeltaSweepError(f"sweep {target.sweep.name}: steps={steps} moves the clean run towards the donor's token "
+                              f"by token, so the donor must have the clean prompt's length ({d} tokens, not {n}): "
+                              f"use steps=0")
+
+
+# -- the estimates ---------------------------------------------------------------------------------
+
+
+class _Values:
+    """The clean and source values of one block (per-token states and windows), computed on first use."""
+
+    def __init__(self, model: DeltaModel, block: int, clean: gradients.Recording,
+                 donors: Mapping[str, gradients.Recording]) -> None:
+        self.fam = model.family
+        self.block = block
+        self.clean = clean
+        self.donors = donors
+        self.cache: dict[tuple[str, str, int], torch.Tensor] = {}
+
+    def all(self, rec_key: str, value: str, layer: int) -> torch.Tensor:
+        """Every token's `value` of block `layer` in a recording ("" = clean), `[1, s, ...]`."""
+        key = (rec_key, value, layer)
+        if key not in self.cache:
+            rec = self.clean if rec_key == "" else self.donors[rec_key]
+            blk = rec.blocks[layer]
+            self.cache[key] = gradients.states(self.fam, blk) if value == "state_after" else gradients.windows(blk)
+        return self.cache[key]
+
+    def delta(self, op: ResolvedOp) -> torch.Tensor:
+        """W' - W of one write, `[1, ...]` float32."""
+        assert op.position is not None and op.layer is not None
+        here = self.all("", op.value, op.layer)[:, op.position].float()
+        src = op.source
+        if isinstance(src, Zeros):
+            return -here
+        if isinstance(src, Scale):
+            return (src.factor - 1.0) * here
+        if isinstance(src, FromRun):
+            assert src.position is not None
+            layer = op.layer if src.layer is None else src.layer
+            return self.all(src.run, op.value, layer)[:, src.position].float() - here
+        assert isinstance(src, Mean)
+        got = [self.all(f"mean:{n}", op.value, op.layer)[:, op.position if src.positions is None else src.positions[n]]
+               for n in range(len(src.texts))]
+        return torch.stack(got).float().mean(0) - here
+
+
+def _source_runs(model: DeltaModel, exp: Experiment, target: Target) -> dict[str, gradients.Recording]:
+    """Recordings (no gradient) of every donor run and mean prompt the writes take values from."""
+    layers: dict[str, set[int]] = {}
+    texts: dict[str, str] = {}
+    for ops in target.writes.values():
+        for op in ops:
+            src = op.source
+            if isinstance(src, FromRun):
+                assert op.layer is not None
+                layers.setdefault(src.run, set()).add(op.layer if src.layer is None else src.layer)
+                texts[src.run] = _run(exp, src.run).prompt_text
+            elif isinstance(src, Mean):
+                assert op.layer is not None
+                for n, text in enumerate(src.texts):
+                    layers.setdefault(f"mean:{n}", set()).add(op.layer)
+                    texts[f"mean:{n}"] = text
+    return {k: _record(model, sorted(v), ids=_ids(model, texts[k])) for k, v in layers.items()}
+
+
+def estimates(model: DeltaModel, target: Target, clean: gradients.Recording,
+              donors: Mapping[str, gradients.Recording],
+              runs: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, str], dict[tuple[int, int], float]]:
+    """{(measure label, variant): {(block, position): estimate}}, one block at a time.
+
+    Each cell's change propagates through its block's clean transitions (the patch's meaning); the
+    gradient at the block's output is the variant's recording's."""
+    fam = model.family
+    blocks = sorted({b for b, _ in target.cells})
+    out: dict[tuple[str, str], dict[tuple[int, int], float]] = {}
+    for block in blocks:
+        vals = _Values(model, block, clean, donors)
+        cells = [c for c in target.cells if c[0] == block]
+        states = {c[1]: vals.delta(op) for c in cells for op in target.writes[c] if op.value == "state_after"}
+        windows = {c[1]: vals.delta(op) for c in cells for op in target.writes[c] if op.value == "conv_window_after"}
+        for label, variants in runs.items():
+            for variant, got in variants.items():
+                recs = got[block] if isinstance(got, dict) else got
+                rows = sum(int(r.blocks[block].grad_out.shape[0]) for r in recs)  # type: ignore[union-attr]
+                total = {c: 0.0 for c in cells}
+                for rec in recs:
+                    blk = rec.blocks[block]
+                    if states:
+                        zero = torch.zeros_like(next(iter(states.values())))
+                        dots = gradients.state_dots(fam, clean.blocks[block], lambda t: states.get(t, zero), blk)
+                        for c in cells:
+                            total[c] += float(dots[:, c[1]].sum()) if c[1] in states else 0.0
+                    if windows:
+                        wg = gradients.window_gradients(blk)
+                        for c in cells:
+                            if c[1] in windows:
+                                total[c] += float((wg[:, c[1]] * windows[c[1]]).sum())
+                out.setdefault((label, variant), {}).update({c: v / rows for c, v in total.items()})
+    return out
+
+
+# -- refining and the whole method ---------------------------------------------------------------
+
+
+def narrowed(exp: Experiment, target: Target, cells: Sequence[tuple[int, int]]) -> Experiment:
+    """The program with its sweep replaced by one sweep per block over just `cells`' positions."""
+    sw = target.sweep
+    block_axis = next(a for a in sw.axes if a.kind == "block")
+    pos_axis = next(a for a in sw.axes if a.kind == "position")
+    label = dict(zip(pos_axis.values, pos_axis.labels, strict=True))
+    runs: list[ResolvedRun] = [r for r in exp.resolved.runs if r is not sw]
+    for block in sorted({b for b, _ in cells}):
+        ps = tuple(sorted(p for b, p in cells if b == block))
+        axes = tuple(attrs.evolve(block_axis, values=(block,), labels=(block,)) if a.kind == "block" else
+                     attrs.evolve(pos_axis, values=ps, labels=tuple(label[p] for p in ps)) for a in sw.axes)
+        runs.append(attrs.evolve(sw, name=f"{sw.name}_L{block}", axes=axes))
+    resolved = attrs.evolve(exp.resolved, runs=tuple(runs))
+    return Experiment(exp.source, exp.model, resolved=resolved)
+
+
+def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out: str | Path | None = None,
+              exact: Callable[..., Any] | None = None, path: str = DEFAULT_PATH) -> Attribution:
+    """Estimate every cell of the program's first sweep; refine the top `refine` exactly (see the module)."""
+    if (steps is not None and steps < 0) or refine < 0:
+        raise DeltaSweepError(f"steps and refine are counts (0 or more), got steps={steps}, refine={refine}")
+    model = exp.model
+    target = target_of(exp)
+    if steps is None:  # the default: integrated where a donor path exists, else plain
+        fits = target.donor is not None and len(model.spec.token_ids(target.donor)) == len(target.sweep.token_ids)
+        steps = DEFAULT_STEPS if fits or (target.factor is not None and path != "embeddings") else 0
+    if path not in PATHS:
+        raise DeltaSweepError(f"path is one of {', '.join(PATHS)}, got {path!r}")
+    check_path(model, target, steps, path)
+    blocks = sorted({b for b, _ in target.cells})
+    clean = _record(model, blocks, ids=_ids(model, target.sweep.prompt_text))
+    donors = _source_runs(model, exp, target)
+    donor = next(iter(donors.values())) if target.donor is not None else None
+    runs = gradient_runs(model, target, steps, path, clean, donor)
+    est = estimates(model, target, clean, donors, runs)
+    variants = list(next(iter(runs.values())).keys())
+    default = variants[-1]
+    tokens = target.sweep.tokens
+    rows = [AttributionRow(b, p, tokens[p], measure_label(m), {v: est[(measure_label(m), v)][(b, p)] for v in variants})
+            for m in target.measures for b, p in target.cells]
+    clean_values = {measure_label(m): float(measure_of(m, runs[measure_label(m)]["plain"][0].result)[0])
+                    for m in target.measures}
+    result = Attribution(target.sweep.name, variants, default, rows, clean_values)
+    if refine:
+        if exact is None:
+            raise DeltaSweepError("refine needs the sweep engine (deltalang.run_sweep passes it)")
+        first = measure_label(target.measures[0])
+        top = sorted((r for r in rows if r.measure == first), key=lambda r: -abs(r.estimates[default]))[:refine]
+        _refine(exp, target, result, [(r.block, r.position) for r in top], exact)
+    if out is not None:
+        result.files.append(result.write_csv(Path(out) / "attribution.csv"))
+    return result
+
+
+def _refine(exp: Experiment, target: Target, result: Attribution, cells: Sequence[tuple[int, int]],
+            exact: Callable[..., Any]) -> None:
+    """Run `cells` through the engine; fill `exact` with M(patched) - M(clean)."""
+    outcome = exact(narrowed(exp, target, cells), progress=False)
+    found: dict[tuple[int, int, str], float] = {}
+    for table in outcome.tables:
+        for r in table.rows:
+            point = dict(r.point)
+            block = next(v for k, v in point.items() if k == target.sweep.axes[0].var)
+            pos = next(v for k, v in point.items() if k == target.sweep.axes[1].var)
+            if target.sweep.axes[0].kind == "position":
+                block, pos = pos, block
+            found[(block, pos, r.measure)] = r.value
+    for row in result.rows:
+        v = found.get((row.block, row.position, row.measure))
+        if v is not None:
+            row.exact = v - result.clean[row.measure]

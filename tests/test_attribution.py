@@ -1,0 +1,189 @@
+"""Attribution over the memory: gradients against transformers, estimates against exact patches.
+
+Ground truth is plain transformers (`tests/reference.py`): its cache holds the true state and
+convolution window after any prefix, and a write there is the exact patch. The gradients of
+`deltalang.gradients` (the adjoint scan over the delta rule, the window's taps) must match central
+finite differences of patches made that way, for every family (Kimi's decay per key channel,
+OLMo-Hybrid's betas in (0, 2)); `run_sweep(method="attribution")` estimates must match exact
+small patches (where first order is exact to O(h^2)); its refined cells must equal the exact
+patch's effect; what it cannot estimate is a one-line DeltaSweepError.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import deltalang
+from deltalang import families, gradients
+from deltalang.sweep import DeltaSweepError
+from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import Reference, Write, set_to  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+A, B = 5, 7  # M = logit(A) - logit(B) at the last position
+
+
+def _m(record) -> float:
+    lg = record.steps[0].logits[-1][0, -1].float()
+    return float(lg[A] - lg[B])
+
+
+def _hf(family: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family)).eval()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_gradients_equal_finite_differences_of_exact_patches(family: str) -> None:
+    torch.manual_seed(1)
+    hf, ref = _hf(family), Reference(_hf(family))
+    fam = families.for_config(hf.config)
+    ids = torch.randint(3, 250, (1, 12))
+    rec = gradients.record(hf, fam, ref.linear, lambda i: getattr(hf.model.layers[i], fam.mixer_attr),
+                           lambda: hf(ids, use_cache=False).logits)
+    rec.backward(rec.result[0, -1, A] - rec.result[0, -1, B])
+    base = ref.run(ids)
+    checked = 0
+    for layer in (ref.linear[0], ref.linear[-1]):
+        lam = gradients.state_gradients(fam, rec.blocks[layer])
+        win = gradients.window_gradients(rec.blocks[layer])
+        # the recorded windows are the cache's (the values the gradients are taken at)
+        want = torch.stack([w[0] for w in base.steps[0].conv[layer]])
+        torch.testing.assert_close(gradients.windows(rec.blocks[layer])[0], want.float(), atol=1e-5, rtol=1e-4)
+        for t in (3, 9):
+            for value, grad, here in (("state_after", lam, base.steps[0].states[layer][t]),
+                                      ("conv_window_after", win, base.steps[0].conv[layer][t])):
+                u = torch.randn_like(here.float())
+                h = 2e-2 * float(here.float().norm() / u.norm())
+
+                def at(x: float) -> float:
+                    return _m(ref.run(ids, [Write(layer, value, set_to((here + x * u).to(here.dtype)), position=t)]))
+
+                # central differences with Richardson's step (error O(h^4)), float32 noise / h aside
+                fd = (8 * (at(h) - at(-h)) - (at(2 * h) - at(-2 * h))) / (12 * h)
+                got = float((grad[0, t] * u[0]).sum())
+                bound = float(grad[0, t].norm() * u[0].norm())  # the largest a directional derivative can be
+                assert abs(got - fd) <= 0.05 * abs(fd) + 0.01 * bound, (layer, t, value, got, fd, bound)
+                checked += abs(fd) > 1e-2
+    assert checked >= 4  # the directional derivatives compared are not all ~0
+
+
+def test_state_gradients_are_the_scan_state_dots_sums() -> None:
+    hf = _hf("kimi_linear")
+    fam = families.for_config(hf.config)
+    layers = [i for i, t in enumerate(hf.config.layer_types) if t == "linear_attention"]
+    ids = torch.randint(3, 250, (1, 10))
+    rec = gradients.record(hf, fam, layers, lambda i: getattr(hf.model.layers[i], fam.mixer_attr),
+                           lambda: hf(ids, use_cache=False).logits)
+    rec.backward(rec.result[0, -1].float().logsumexp(-1))
+    blk = rec.blocks[layers[0]]
+    lam = gradients.state_gradients(fam, blk)
+    delta = torch.randn_like(lam)
+    dots = gradients.state_dots(fam, blk, lambda t: delta[:, t])
+    torch.testing.assert_close(dots, (lam * delta).flatten(2).sum(-1))
+
+
+# -- the sweep method ------------------------------------------------------------------------------
+
+CLEAN = "The Eiffel Tower is in"
+OTHER = "My favourite food is a"  # the same byte length
+
+
+def _program(body: str, measure: str = 'logit_diff("P", "a")', axes: str = "L in L[linear], t in 14..22") -> str:
+    return (f'prompt clean = "{CLEAN}"\nprompt other = "{OTHER}"\n'
+            f"sweep s on clean over {axes} {{\n    {body}\n    measure {measure}\n}}\n")
+
+
+@pytest.fixture(scope="module")
+def model() -> deltalang.DeltaModel:
+    return deltalang.load_model(tiny_checkpoint("qwen3_5"))
+
+
+def _exact(model: deltalang.DeltaModel, writes: list[Write]) -> float:
+    ref = Reference(AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen3_5")).eval())
+    ids = torch.tensor([model.spec.token_ids(CLEAN)])
+    a, b = model.spec.token_ids("P")[0], model.spec.token_ids("a")[0]
+
+    def m(r) -> float:
+        lg = r.steps[0].logits[-1][0, -1].float()
+        return float(lg[a] - lg[b])
+
+    return m(ref.run(ids, writes)) - m(ref.run(ids))
+
+
+@pytest.mark.parametrize("value", ["state_after", "conv_window_after"])
+def test_plain_estimates_equal_small_exact_patches(model: deltalang.DeltaModel, value: str) -> None:
+    factor = 1.02  # a small write: first order is exact to O(0.02^2)
+    got = deltalang.run_sweep(_program(f"write L.{value}(t) *= {factor}"), model, method="attribution")
+    assert got.variants == ["plain", "blk4"] and got.default == "blk4"  # a scale has a path: outputs x factor
+    grid = got.grid(variant="plain")
+    path = got.grid()
+    assert len(grid) == len(model.spec.linear_layers()) * 8
+    top = sorted(grid, key=lambda c: -abs(grid[c]))[:3]
+    for layer, t in top:
+        exact = _exact(model, [Write(layer, value, lambda x, i: x * factor, position=t)])
+        assert abs(grid[(layer, t)] - exact) <= 0.05 * abs(exact) + 1e-5, (layer, t, grid[(layer, t)], exact)
+        assert abs(path[(layer, t)] - exact) <= 0.1 * abs(exact) + 1e-5, (layer, t, path[(layer, t)], exact)
+        assert abs(exact) > 1e-4
+
+
+def test_refined_cells_are_the_exact_patches(model: deltalang.DeltaModel, tmp_path: Path) -> None:
+    src = _program("write L.state_after(t) from other; write L.conv_window_after(t) from other")
+    got = deltalang.run_sweep(src, model, method="attribution", steps=2, refine=3, out=tmp_path)
+    assert got.variants == ["plain", "blk2"] and got.default == "blk2"
+    refined = got.refined()
+    assert len(refined) == 3
+    ref = Reference(AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen3_5")).eval())
+    donor = ref.run(torch.tensor([model.spec.token_ids(OTHER)]))
+    for r in refined:
+        state = donor.steps[0].states[r.block][r.position]
+        window = donor.steps[0].conv[r.block][r.position]
+        exact = _exact(model, [Write(r.block, "state_after", set_to(state), position=r.position),
+                               Write(r.block, "conv_window_after", set_to(window), position=r.position)])
+        assert r.exact == pytest.approx(exact, abs=1e-4)
+    # they are the cells of largest |default estimate|
+    others = [abs(r.estimates["blk2"]) for r in got.rows if r.exact is None]
+    assert min(abs(r.estimates["blk2"]) for r in refined) >= max(others)
+    rows = list(csv.DictReader((tmp_path / "attribution.csv").open()))
+    assert len(rows) == len(got.rows)
+    assert set(rows[0]) == {"block", "position", "token", "measure", "estimate_plain", "estimate_blk2", "exact"}
+    assert sum(1 for x in rows if x["exact"]) == 3
+    assert "exact" in got.table() and "blk2" in got.table()
+
+
+def test_the_paths_integrate_towards_the_donor(model: deltalang.DeltaModel) -> None:
+    src = _program("write L.state_after(t) from other")
+    plain = deltalang.run_sweep(src, model, method="attribution", steps=0)
+    for path in ("blocks", "outputs", "embeddings"):
+        got = deltalang.run_sweep(src, model, method="attribution", steps=3, path=path)
+        name = {"blocks": "blk3", "outputs": "out3", "embeddings": "emb3"}[path]
+        assert got.variants == ["plain", name]
+        # the plain column is the same estimate whatever the path; the integrated one differs from it
+        assert got.grid(variant="plain") == pytest.approx(plain.grid())
+        assert got.grid() != pytest.approx(plain.grid(), rel=1e-3)
+
+
+@pytest.mark.parametrize(("src", "kw", "message"), [
+    (_program("write L.state_after(t) = zeros", measure="kl(other)"), {}, "differentiates"),
+    (_program("write L.state_after(t) = zeros"), {"steps": 4, "path": "embeddings"}, "integrates along a path"),
+    (_program("write L.state_after(t) = zeros; write L.conv_window_after(t) from other"), {"steps": 4},
+     "integrates along a path"),
+    (_program("write L.state_after(t) = zeros; write L.attention_output = zeros"), {}, "estimates writes of"),
+    (_program("read L.state_after(t)"), {}, "writes only"),
+    (_program("write L.state_after(t) from other").replace(OTHER, OTHER + " and more"), {"steps": 2},
+     "the clean prompt's length"),
+    (_program("write L.state_after(t) from other"), {"path": "straight"}, "path is one of"),
+])
+def test_what_attribution_cannot_estimate_is_one_line(model: deltalang.DeltaModel, src: str, kw: dict,
+                                                      message: str) -> None:
+    with pytest.raises(DeltaSweepError) as e:
+        deltalang.run_sweep(src, model, method="attribution", **kw)
+    assert message in str(e.value) and "\n" not in str(e.value)
