@@ -1,0 +1,229 @@
+"""Jupyter: `%load_ext deltalang` gives the `%%deltalang` cell magic.
+
+    %%deltalang --prompt "The Eiffel Tower is in the city of" -o res
+    read L1.state_after(-1) as s
+    measure prob(" Paris")
+
+Contract: the cell is a `.dl` program; the magic's line takes the options of
+`deltalang run` and `deltalang sweep` (the command line's own parser, `cli.build_parser`:
+`--prompt`, `--model`, `--device`, `--dtype`, `--device-map`, `--out`, `--strict`,
+`--normalise`, `--batch-size`, `--resume`, `--naive`, `--debug`), and `-o NAME` stores
+the result in the notebook's variable NAME. `--model NAME` may also name a notebook
+variable holding a `DeltaModel` (`model = deltalang.load_model()`): the cell runs on
+that model; otherwise models load once per kernel (`compiled.get_model`).
+
+Loading the extension quiets transformers as the command line does (errors only, no
+progress bars: their notebook form needs ipywidgets and prints a warning without them).
+The cell runs as `deltalang run` would: a program over a dataset gives `DatasetResults`,
+a program with sweeps a `SweepOutcome` (its tables, with heatmaps, and every result;
+the progress is one line updated in place), any other program `Results`. The value is
+the cell's output (shown as HTML) and, with `-o`, the variable's. `--out DIR` saves what
+the command saves.
+
+Whatever the line or the cell holds, a mistake shows as the command line shows it, and
+never as a traceback: a DeltaError as `<cell>:line:col: error: message` with the
+program's line and a caret (its notes below); an option the parser refuses as one
+`error: %%deltalang: ...` line. The cell then fails (it stops "run all"). DeltaWarnings
+show rendered the same way, on stderr, and the cell goes on. Any other exception is a
+bug in deltalang, shown as the command line shows it (one line; the traceback with
+`--debug`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import warnings
+from typing import Any, Callable, NoReturn
+
+from .errors import DeltaError, DeltaWarning
+
+CELL = "<cell>"  # the program's file name in messages
+
+
+class CellError(Exception):
+    """A cell's error, shown by IPython as exactly its lines (`_render_traceback_`), not as a traceback."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def _render_traceback_(self) -> list[str]:  # IPython's hook for exceptions that render themselves
+        return self.text.splitlines()
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext deltalang`: register the `%%deltalang` cell magic, and quiet transformers as the command line does."""
+    from .cli import _quiet_transformers
+
+    _quiet_transformers()
+    # tqdm's notebook bars need ipywidgets; without them it warns once on import (transformers imports it)
+    warnings.filterwarnings("ignore", message="IProgress not found")
+
+    def deltalang(line: str, cell: str) -> Any:
+        return run_cell(line, cell, ipython.user_ns)
+
+    deltalang.__doc__ = __doc__
+    ipython.register_magic_function(deltalang, magic_kind="cell", magic_name="deltalang")
+
+
+def magic_parser() -> argparse.ArgumentParser:
+    """The command line's `sweep` options, with `run`'s `--strict` and `-o NAME`; refusals raise DeltaError."""
+    from .cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = commands.choices["sweep"]
+    parser.prog = "%%deltalang"
+    parser.description = "Run the cell as a deltalang program (the options of deltalang run and sweep)."
+    parser.add_argument("-o", "--output", metavar="NAME", default=None,
+                        help="store the results in the notebook variable NAME")
+    if "--strict" not in parser._option_string_actions:  # `run`'s, for a program over a dataset
+        parser.add_argument("--strict", action="store_true",
+                            help="over a dataset: stop at a record that does not resolve (default: leave it out)")
+    parser.set_defaults(debug=False)  # `--debug` is the command line's (shared by every command)
+
+    def refuse(message: str) -> NoReturn:
+        raise DeltaError(f"%%deltalang: {message} (see %%deltalang --help)")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    for action in parser._actions:
+        if action.dest in ("file", "expr"):  # the cell is the program
+            action.help = argparse.SUPPRESS
+    return parser
+
+
+def parse_line(line: str) -> argparse.Namespace | None:
+    """The magic's options; None when they asked for `--help` (printed)."""
+    try:
+        words = shlex.split(line)
+    except ValueError as e:
+        raise DeltaError(f"%%deltalang: cannot read the options: {e}") from None
+    try:
+        args = magic_parser().parse_args(words)
+    except SystemExit:  # --help, printed by argparse
+        return None
+    if args.file is not None or args.expr is not None:
+        raise DeltaError("%%deltalang: the cell is the program: give no file and no -e")
+    if args.output is not None and not args.output.isidentifier():
+        raise DeltaError(f"%%deltalang: -o {args.output!r} is not a Python name")
+    return args
+
+
+def run_cell(line: str, cell: str, namespace: dict[str, Any]) -> Any:
+    """Run one `%%deltalang` cell (the module's contract); returns its value, or raises CellError."""
+    from .cli import _first_line, _out_of_memory, _quiet_transformers
+
+    args: argparse.Namespace | None = None
+    try:
+        args = parse_line(line)
+        if args is None:
+            return None
+        _quiet_transformers()
+        with warnings.catch_warnings():
+            _show_delta_warnings()
+            value = _run(args, cell, namespace)
+    except DeltaError as e:
+        raise CellError(e.render()) from None
+    except KeyboardInterrupt:
+        raise CellError("interrupted") from None
+    except Exception as e:  # noqa: BLE001 - as the command line: one line, the traceback only with --debug
+        if args is not None and args.debug:
+            raise
+        if _out_of_memory(e):
+            raise CellError(f"error: out of memory: {_first_line(e)}") from None
+        what = f"{type(e).__name__}: {_first_line(e)}" if _first_line(e) else type(e).__name__
+        raise CellError(f"error: internal error in deltalang (a bug, please report it): {what}\n"
+                        "  note: rerun with --debug to see the traceback") from None
+    if args.output is not None:
+        namespace[args.output] = value
+    return value
+
+
+def _show_delta_warnings() -> None:
+    """Inside `warnings.catch_warnings()`: each DeltaWarning rendered on stderr (others as Python shows them)."""
+    default: Callable[..., None] = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if isinstance(message, DeltaWarning):
+            print(message.render(), file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.simplefilter("always", DeltaWarning)
+    warnings.showwarning = show
+
+
+def _model(args: argparse.Namespace, namespace: dict[str, Any]) -> Any:
+    """`--model`: a notebook variable holding a DeltaModel, else the path or hub id as given (None: bundled)."""
+    from .model import DeltaModel
+
+    name = args.model
+    if name is not None and name.isidentifier() and isinstance(namespace.get(name), DeltaModel):
+        return namespace[name]
+    return name
+
+
+def _run(args: argparse.Namespace, cell: str, namespace: dict[str, Any]) -> Any:
+    """The cell as `deltalang run` / `sweep` runs it: DatasetResults, a SweepOutcome, or Results."""
+    from . import ast
+    from .cli import check_options
+    from .compiled import Experiment, model_for
+    from .dataset_run import load_datasets, run_dataset
+    from .parse import parse
+    from .resolve import uses_dataset
+
+    check_options(args)
+    model = _model(args, namespace)
+    load = dict(device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                device_map=args.device_map)
+    if uses_dataset(parse(cell, CELL)):
+        if args.prompt is not None:
+            raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
+        datasets = load_datasets(cell, CELL, None)  # the data's errors before a model loads
+        on = model_for(cell, model, CELL, **load)
+        if any(isinstance(i, ast.Sweep) for i in parse(cell, CELL).items):
+            return _dataset_sweep(args, cell, on, datasets)
+        out = run_dataset(cell, on, filename=CELL, strict=args.strict, datasets=datasets)
+        if args.out is not None:
+            print(f"wrote {out.save(args.out)}/", file=sys.stderr)
+        return out
+    exp = Experiment.from_source(cell, model, filename=CELL, prompt=args.prompt, **load)
+    if exp.has_sweeps:
+        return _sweep(args, exp)
+    results = exp.run()
+    if args.out is not None:
+        print(f"wrote {results.save(args.out)}/: {', '.join(results.files())}", file=sys.stderr)
+    return results
+
+
+def _sweep(args: argparse.Namespace, exp: Any) -> Any:
+    """A program with sweeps through the sweep driver, its progress in the notebook; a SweepOutcome."""
+    from rich.console import Console
+
+    from .sweep import run_sweeps
+
+    outcome = run_sweeps(exp, out=args.out, resume=args.resume, batch_size=args.batch_size,
+                         normalise=args.normalise, progress=True, console=Console(stderr=True, soft_wrap=True),
+                         engine="naive" if args.naive else "auto")
+    if args.out is not None:
+        outcome.results.save(args.out)
+        print(f"wrote {args.out}/: sweep.csv, sweep.json, the plots, {', '.join(outcome.results.files())}",
+              file=sys.stderr)
+    return outcome
+
+
+def _dataset_sweep(args: argparse.Namespace, cell: str, model: Any, datasets: Any) -> Any:
+    """A program with sweeps over a dataset (`sweep.dataset`): its DatasetSweepResults."""
+    from rich.console import Console
+
+    from .sweep.dataset import run_dataset_sweep
+
+    out = run_dataset_sweep(cell, model, filename=CELL, datasets=datasets, strict=args.strict,
+                            normalise=args.normalise, out=args.out, resume=args.resume, batch_size=args.batch_size,
+                            engine="naive" if args.naive else "auto", progress=True,
+                            console=Console(stderr=True, soft_wrap=True))
+    if args.out is not None:
+        print(f"wrote {args.out}/", file=sys.stderr)
+    return out
