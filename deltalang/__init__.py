@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .check import check
     from .compiled import Experiment
     from .dataset_run import DatasetResults
+    from .sweep.dataset import DatasetSweepResults
     from .errors import DeltaError
     from .kernels import route_kernels, routed
     from .model import DeltaModel, load_model
@@ -38,11 +39,11 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
 _LAZY: dict[str, str] = {
     "families": "", "DeltaError": "errors", "route_kernels": "kernels", "routed": "kernels", "check": "check",
     "DeltaModel": "model", "load_model": "model", "parse": "parse", "Experiment": "compiled",
-    "Results": "results", "DatasetResults": "dataset_run", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
+    "Results": "results", "DatasetResults": "dataset_run", "DatasetSweepResults": "sweep.dataset", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
     "ModelSpec": "spec", "load_spec": "spec",
 }
 
-__all__ = ["DatasetResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
+__all__ = ["DatasetResults", "DatasetSweepResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
            "load_model", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
 
 
@@ -55,6 +56,13 @@ def __getattr__(name: str) -> Any:
     value = module if not home else getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext deltalang` in Jupyter/IPython: the `%%deltalang` cell magic (`deltalang.notebook`)."""
+    from .notebook import load_ipython_extension as load
+
+    load(ipython)
 
 
 def __dir__() -> list[str]:

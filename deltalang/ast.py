@@ -326,11 +326,33 @@ class Range:
 
 
 @attrs.frozen
+class FieldPos:
+    """A position from a record's field in a dataset sweep's axis: `facts.subject` (its last token),
+    `facts.subject[0]` (its first), `facts.subject + 1` (the token after it)."""
+
+    field: Field
+    index: int | None = None  # which of the piece's tokens: 0 the first, -1 the last (the default)
+    offset: int = 0
+    span: Span = _span()
+
+
+AxisPos = Union[IntPos, PiecePos, FieldPos]
+
+
+@attrs.frozen
+class PosList:
+    """A sweep axis's list of positions: `2, "Tower", -1`, or over a dataset `facts.subject, -1`."""
+
+    items: tuple[AxisPos, ...]
+    span: Span = _span()
+
+
+@attrs.frozen
 class Axis:
-    """`VAR in SELECTOR` or `VAR in A..B` in a sweep header."""
+    """`VAR in SELECTOR`, `VAR in A..B` or `VAR in POS, POS, ...` in a sweep header."""
 
     var: str
-    domain: Union[Selector, Range]
+    domain: Union[Selector, Range, PosList]
     span: Span = _span()
 
 
@@ -413,7 +435,10 @@ def format_text(t: Text) -> str:
     return quote(t) if isinstance(t, str) else f"{t.dataset}.{t.field}"
 
 
-def format_position(p: Position) -> str:
+def format_position(p: Position | FieldPos) -> str:
+    if isinstance(p, FieldPos):
+        text = format_text(p.field) + ("" if p.index is None else f"[{p.index}]")
+        return text + ("" if not p.offset else f" {'+' if p.offset > 0 else '-'} {abs(p.offset)}")
     if isinstance(p, IntPos):
         return str(p.value)
     if isinstance(p, PiecePos):
@@ -504,7 +529,10 @@ def format_statement(st: Statement | Decl) -> str:
 
 def format_axis(axis: Axis) -> str:
     d = axis.domain
-    dom = f"{d.start}..{d.stop}" if isinstance(d, Range) else format_selector(d)
+    if isinstance(d, PosList):
+        dom = ", ".join(format_position(p) for p in d.items)
+    else:
+        dom = f"{d.start}..{d.stop}" if isinstance(d, Range) else format_selector(d)
     return f"{axis.var} in {dom}"
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import DeltaError, show_warnings_on_stderr
 from .version import __version__
@@ -272,8 +272,10 @@ def run_main(args: argparse.Namespace) -> int:
 
 def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     """`deltalang run FILE [--out DIR] [--strict]` of a program over a dataset: per-measure statistics."""
+    from . import ast
     from .compiled import model_for
     from .dataset_run import FILES, load_datasets, run_dataset
+    from .parse import parse
 
     if args.prompt is not None:
         raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
@@ -281,13 +283,36 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     datasets = load_datasets(source, filename, None)  # the data's errors before a model loads
     model = model_for(source, args.model, filename, device=args.device, dtype=args.dtype,
                       trust_remote_code=args.trust_remote_code, device_map=args.device_map)
+    if any(isinstance(i, ast.Sweep) for i in parse(source, filename).items):
+        return dataset_sweep_main(args, source, filename, model, datasets, t0)
+    from rich.console import Console
+
     out = run_dataset(source, model, filename=filename, strict=bool(getattr(args, "strict", False)),
-                      datasets=datasets)
+                      datasets=datasets, out=args.out, resume=bool(getattr(args, "resume", False)),
+                      console=Console(stderr=True))
     print(out.summary())
     print(f"({time.perf_counter() - t0:.1f} s incl. model load)", file=sys.stderr)
     if args.out is not None:
-        out.save(args.out)
         print(f"wrote {args.out}/: {', '.join(FILES)}", file=sys.stderr)
+    return 0
+
+
+def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, model: Any, datasets: Any,
+                       t0: float) -> int:
+    """`deltalang sweep FILE [--out DIR] [--resume] [--normalise ...] [--strict]` over a dataset: a mean per cell."""
+    from rich.console import Console
+
+    from .sweep.dataset import FILES, run_dataset_sweep
+
+    err = Console(stderr=True)
+    out = run_dataset_sweep(source, model, filename=filename, datasets=datasets, strict=bool(getattr(args, "strict",
+                            False)), normalise=getattr(args, "normalise", None), out=args.out,
+                            resume=bool(getattr(args, "resume", False)), batch_size=getattr(args, "batch_size", None),
+                            engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err)
+    print(out.summary())
+    if args.out is not None:
+        err.print(f"wrote {args.out}/: {', '.join(FILES)} and a heatmap per sweep and measure", highlight=False)
+    err.print(f"({time.perf_counter() - t0:.1f} s incl. model load)", highlight=False)
     return 0
 
 
@@ -297,15 +322,26 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
 
     from .results import Results
     from .sweep import DeltaSweepError, render_tables, run_sweeps
+    from .sweep.attribution import attribute
 
     t0 = time.perf_counter()
     if exp is None:
-        exp = _experiment(args)
+        source, filename = read_program(args)
+        if _over_dataset(source, filename):
+            if getattr(args, "attribution", False):
+                raise DeltaSweepError("--attribution estimates a sweep over one prompt, not yet over a dataset")
+            return dataset_main(args, source, filename)
+        exp = _experiment(args, (source, filename))
     err = Console(stderr=True)
     stdout = Console() if sys.stdout.isatty() else Console(width=200)  # logs keep whole tables
     if not exp.has_sweeps:
         raise DeltaSweepError("the program has no sweep: run it with `deltalang run`")
     out = getattr(args, "out", None)
+    if getattr(args, "attribution", False):  # method attribution: estimates, the top --refine cells exact
+        got = attribute(exp, steps=args.steps, refine=args.refine, out=out, exact=run_sweeps, path=args.path)
+        print(got.table(max(20, args.refine)))
+        err.print(f"wrote {got.files[0]}" if got.files else "", f"({time.perf_counter() - t0:.1f} s)")
+        return 0
     if out is None and getattr(args, "command", "sweep") == "sweep":
         err.print("note: no --out, so nothing is saved as cells finish (give --out DIR to keep a CSV and plots)",
                   highlight=False)
@@ -373,15 +409,22 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="write results.safetensors, results.json, program.dl and the code here: "
                                          "emitted.py, or a sweep's reference.py (with its sweep.csv, sweep.json "
                                          "and plots, as cells finish)")
-        if name == "run":
+        if name in ("run", "sweep"):
             p.add_argument("--strict", action="store_true",
                            help="over a dataset: stop at a record that does not resolve (default: leave it out)")
+        if name == "run":
+            p.add_argument("--resume", action="store_true",
+                           help="over a dataset: continue the run in --out DIR, keeping the records done")
         if name == "sweep":
             p.add_argument("--resume", action="store_true", help="continue the sweep in --out DIR, keeping its cells")
             p.add_argument("--batch-size", type=int, default=None, help="cells per forward (default: from memory)")
             p.add_argument("--normalise", default=None, metavar="clean=RUN,corrupted=RUN",
                            help="add (patched - corrupted) / (clean - corrupted) of each logit measure")
             p.add_argument("--naive", action="store_true", help="run every cell as a full forward (the reference)")
+            p.add_argument("--attribution", action="store_true", help="estimate every cell from gradients")
+            p.add_argument("--steps", type=int, default=None, help="attribution: points of the path (0: plain)")
+            p.add_argument("--refine", type=int, default=0, help="attribution: run the top K cells exactly")
+            p.add_argument("--path", default="blocks", choices=("blocks", "outputs", "embeddings"), help="attribution path")
         elif name == "emit":
             p.add_argument("--plan", action="store_true", help="print the plan instead of the code")
         p.set_defaults(func=func)

@@ -10,8 +10,8 @@ program's result. Records share forwards (their programs merged into one, each r
 `NAME#k`; sorted by length, at most `MAX_GROUP` records and `plan.BATCH_TOKENS` padded tokens
 a forward); the planner left-pads the shorter runs, which changes no value.
 
-Records whose program does not resolve (a field's text not in the prompt, an answer of
-several tokens) are left out and reported by their data-file line, with the count; with
+Records whose program does not resolve (a field's text not in the prompt, an answer the
+tokenizer does not know) are left out and reported by their data-file line, with the count; with
 `strict=True` the first of them is the error instead, before anything runs. Everything
 that is the program's or the data's error (see `deltalang.datasets` and
 `resolve_records`) is a DeltaError before anything runs; nothing is written then.
@@ -26,14 +26,17 @@ Results (`DatasetResults`): `rows` in long format (`record`, `line`, the record'
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import attrs
 
+from . import ast, html
 from .compiled import Experiment
+from .dataset_store import RecordProgress, RecordStore
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
@@ -43,6 +46,9 @@ from .plan import BATCH_TOKENS
 from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import dataset_decls, measure_label
 from .results import save_atomically
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 MAX_GROUP = 32  # records per program when records share forwards
 FILES = ("results.csv", "summary.csv", "summary.json", "program.dl")
@@ -138,6 +144,10 @@ class DatasetResults:
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
         (tmp / "program.dl").write_text(self.program, encoding="utf-8")
 
+    def _repr_html_(self) -> str:
+        """Notebooks: the statistics and the records left out as tables (`deltalang.html`)."""
+        return html.dataset_table(self)
+
 
 def load_datasets(source: str, filename: str, data: Mapping[str, Any] | None) -> dict[str, Dataset]:
     """The program's datasets: `data`'s (from Python) first, else each declared file, relative to the .dl file."""
@@ -153,39 +163,91 @@ def load_datasets(source: str, filename: str, data: Mapping[str, Any] | None) ->
 
 def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                 data: Mapping[str, Any] | None = None, strict: bool = False, batch: bool = True,
-                datasets: Mapping[str, Dataset] | None = None) -> DatasetResults:
-    """Run `source` over its dataset on `model` (see the module doc); `datasets`: already `load_datasets`'."""
+                datasets: Mapping[str, Dataset] | None = None, out: str | Path | None = None, resume: bool = False,
+                console: Console | None = None, on_group: Callable[[list[int]], None] | None = None) -> DatasetResults:
+    """Run `source` over its dataset on `model` (see the module doc); `datasets`: already `load_datasets`'.
+
+    `out`: save each group of records as it finishes and the final files there; `resume`: continue the
+    run in `out` (the groups done are not rerun); `console`: show progress there; `on_group(indices)`:
+    after each group of records is saved.
+    """
+    if resume and out is None:
+        raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     program = parse(source, filename)
     if datasets is None:
         datasets = load_datasets(source, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
+    skipped = left_out(ds, resolutions, strict)
+    columns = ["record", "line", *ds.fields, "measure", "value"]
+    store = None
+    if out is not None:
+        meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
+                "model": model.spec.model_id, "options": {"batch": batch}, "columns": columns,
+                "records": len(ds.records)}
+        store = RecordStore(Path(out), meta, columns, resume)
+    done = store.done if store is not None else set()
+    groups = record_groups([r for r in resolutions if r.resolved is not None], batch)
+    todo = [g for g in groups if not all(r.record.index in done for r in g)]  # a group is saved whole
+    per: dict[int, list[dict[str, Any]]] = {}
+    for g in groups:
+        if g not in todo:
+            for r in g:
+                per[r.record.index] = [{"record": r.record.index, "line": r.record.line, **r.record.fields,
+                                        "measure": x["measure"], "value": float(x["value"])}
+                                       for x in (store.rows_of(r.record.index) if store is not None else [])]
+    n = sum(len(g) for g in todo)
+    head = f"'{ds.name}': {n} record(s) to run in {len(todo)} forward group(s)" + (
+        f", {len(resolutions) - len(skipped) - n} done before" if n < len(resolutions) - len(skipped) else "")
+    with RecordProgress(console, n, n, "records", head) as bar:
+        for group in todo:
+            per.update(_run_group(program, ds, group, source, model, filename, batch))
+            if store is not None:
+                for r in group:
+                    store.add(r.record.index, [{k: row.get(k, "") for k in columns} for row in per[r.record.index]])
+            bar.advance(len(group), len(group))
+            if on_group is not None:
+                on_group([r.record.index for r in group])
+    rows = [row for i in sorted(per) for row in per[i]]
+    labels = list(dict.fromkeys(row["measure"] for row in rows))
+    stats = tuple(stats_of(lab, [row["value"] for row in rows if row["measure"] == lab]) for lab in labels)
+    result = DatasetResults(ds, tuple(rows), stats, skipped, source)
+    if out is not None and store is not None:
+        result.save(out)
+        store.finish()
+    return result
+
+
+def _run_group(program: ast.Program, ds: Dataset, group: list[RecordResolution], source: str, model: DeltaModel,
+               filename: str, batch: bool) -> dict[int, list[dict[str, Any]]]:
+    """The rows of a group of records that share forwards, by record."""
+    merged = merge([(r.record.index, r.resolved) for r in group if r.resolved is not None])
+    try:
+        results = Experiment(source, model, filename=filename, resolved=merged, batch=batch).run()
+    except DeltaError as e:
+        e.notes = (*e.notes, f"in record {group[0].record.index + 1} ({ds.where(group[0].record)})"
+                   + (f" or one of the {len(group) - 1} run with it" if len(group) > 1 else ""))
+        raise
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in group:
+        assert r.resolved is not None
+        k = r.record.index if len(group) > 1 else None
+        out[r.record.index] = [{"record": r.record.index, "line": r.record.line, **r.record.fields,
+                                "measure": measure_label(program, run.name, m),
+                                "value": float(results[_renamed(m.result_name, run.name, k)])}
+                               for run in r.resolved.runs for m in run.measures]
+    return out
+
+
+def left_out(ds: Dataset, resolutions: list[RecordResolution], strict: bool) -> tuple[tuple[int, str], ...]:
+    """The records whose program does not resolve, (index, why); with `strict` the first is the error.
+    Each record's warnings are shown once."""
     _warn_once(ds, resolutions)
     skipped = tuple((r.record.index, _one_line(r.error)) for r in resolutions if r.error is not None)
     if skipped and strict:
         i, why = skipped[0]
         raise DeltaError(f"{ds.where(ds.records[i])}: record {i + 1} of '{ds.name}' does not resolve (--strict): "
                          f"{why}")
-    rows: list[dict[str, Any]] = []
-    for group in record_groups([r for r in resolutions if r.resolved is not None], batch):
-        merged = merge([(r.record.index, r.resolved) for r in group if r.resolved is not None])
-        try:
-            results = Experiment(source, model, filename=filename, resolved=merged, batch=batch).run()
-        except DeltaError as e:
-            e.notes = (*e.notes, f"in record {group[0].record.index + 1} ({ds.where(group[0].record)})"
-                       + (f" or one of the {len(group) - 1} run with it" if len(group) > 1 else ""))
-            raise
-        for r in group:
-            assert r.resolved is not None
-            k = r.record.index if len(group) > 1 else None
-            for run in r.resolved.runs:
-                for m in run.measures:
-                    rows.append({"record": r.record.index, "line": r.record.line, **r.record.fields,
-                                 "measure": measure_label(program, run.name, m),
-                                 "value": float(results[_renamed(m.result_name, run.name, k)])})
-    rows.sort(key=lambda row: row["record"])  # groups keep each record's measures in order
-    labels = list(dict.fromkeys(row["measure"] for row in rows))
-    stats = tuple(stats_of(lab, [row["value"] for row in rows if row["measure"] == lab]) for lab in labels)
-    return DatasetResults(ds, tuple(rows), stats, skipped, source)
+    return skipped
 
 
 def _warn_once(ds: Dataset, resolutions: list[RecordResolution]) -> None:

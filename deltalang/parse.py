@@ -281,7 +281,7 @@ def _not_a_statement(tok: Token, text: str, span: Span) -> DeltaSyntaxError:
 def _common_slip(tok: Token, exp: set[str], prev: Token | None) -> str | None:
     """A message for a slip inside a statement that Lark would only call an unexpected token."""
     prev_type = prev.type if prev is not None else None
-    if prev is not None and prev_type == "NAME" and prev.value == "L" and tok.type == "INT":
+    if prev is not None and prev_type == "NAME" and prev.value == "L" and tok.type in ("INT", "MINUS"):
         return "a block is L3, L*, L[linear], L[attention], L[0:6] or L[0,2,4]; L[-1] is the last block"
     if prev_type == "INT" and tok.type == "DOT":
         return "expected a whole number here (a position or a block number)"
@@ -450,31 +450,86 @@ class _Builder:
 
     def trace(self, tree: Node) -> ast.Trace:
         name, prompt, block = tree.children
-        return ast.Trace(self.name(name, "a run"), str(prompt), self.body(block, tree), span=self.span(tree))
+        return ast.Trace(self.name(name, "a run"), self.on_prompt(prompt), self.body(block, tree),
+                         span=self.span(tree))
 
     def generate(self, tree: Node) -> ast.Generate:
         name, prompt, n, block = tree.children
-        return ast.Generate(self.name(name, "a run"), str(prompt), int(n), self.body(block, tree),
+        return ast.Generate(self.name(name, "a run"), self.on_prompt(prompt), int(n), self.body(block, tree),
                             span=self.span(tree))
 
+    def on_prompt(self, tree: Node) -> str:
+        """`on clean`, or a dataset's field `on facts.corrupt` (kept as the text `facts.corrupt`)."""
+        return ".".join(str(t) for t in tree.children)
+
     def sweep(self, tree: Node) -> ast.Sweep:
-        name, prompt, *axes, block = tree.children
-        built = tuple(self.axis(a) for a in axes)
-        return ast.Sweep(self.name(name, "a run"), str(prompt), built, self.body(block, tree),
+        name, prompt, *parts, block = tree.children
+        groups: list[tuple[Node, list[Node]]] = []
+        for part in parts:  # a part without `VAR in` continues the list of positions before it
+            if part.data == "axis":
+                groups.append((part, [part.children[1]]))
+            else:
+                groups[-1][1].append(part.children[0])
+        built = tuple(self.axis(head, items) for head, items in groups)
+        return ast.Sweep(self.name(name, "a run"), self.on_prompt(prompt), built, self.body(block, tree),
                          span=self.span(tree))
 
-    def axis(self, tree: Node) -> ast.Axis:
-        var, dom = tree.children
+    def axis(self, tree: Node, items: list[Node]) -> ast.Axis:
+        var = tree.children[0]
+        usage = ("a sweep axis is a block selector (L[linear], L[0:6], L*), a range (0..9) or a list of positions "
+                 "(2, \"Tower\", -1; over a dataset facts.subject, facts.subject[0], facts.subject + 1)")
+        if len(items) > 1 or self.axis_position(items[0]) is not None:
+            positions = [self.axis_position(i) for i in items]
+            for i, p in zip(items, positions):
+                if p is None:
+                    self.fail(usage, self.span(i))
+            domain: Any = ast.PosList(tuple(p for p in positions if p is not None),
+                                      span=_cover(self.span(items[0]), self.span(items[-1])))
+            return ast.Axis(self.name(var, "a sweep variable"), domain, span=self.span(tree))
+        dom = items[0].children[0]
         if isinstance(dom, _LarkTree) and dom.data == "range":
             start, stop = (int(str(x)) for x in dom.children)
-            domain: Any = ast.Range(start, stop, span=self.span(dom))
+            domain = ast.Range(start, stop, span=self.span(dom))
         else:
             segs = dom.children
             if len(segs) != 1 or segs[0].data not in ("layer_seg", "star_seg", "bracket_seg"):
-                self.fail("a sweep axis is a block selector (L[linear], L[0:6], L*) or a range (0..9)",
-                          self.span(dom))
+                self.fail(usage, self.span(dom))
             domain = self.selector(segs[0])
         return ast.Axis(self.name(var, "a sweep variable"), domain, span=self.span(tree))
+
+    def axis_position(self, item: Node) -> ast.AxisPos | None:
+        """One position of a list: a number, a quoted piece, or a field (with its token index and offset)."""
+        x = item.children[0]
+        sp = self.span(item)
+        if isinstance(x, Token):
+            return ast.IntPos(int(x.value), span=sp) if x.type == "INT" else ast.PiecePos(self.string(x), span=sp)
+        offset = 0
+        if x.data == "offset":
+            base, sign, n = x.children
+            offset = int(n) if sign.type == "PLUS" else -int(n)
+            if int(n) < 0:
+                self.fail(f"write an offset as {'+' if offset < 0 else '-'} {abs(int(n))}", sp)
+            if isinstance(base, Token):
+                self.fail("an offset counts from a record's field (facts.subject + 1); in one prompt name the "
+                          "token's number instead", sp)
+            x = base
+        if x.data != "path":
+            return None
+        segs = x.children
+        if len(segs) != 2 or segs[0].data != "name_seg" or segs[1].data not in ("name_seg", "bracket_seg"):
+            return None if not offset else self.fail("an offset counts from a record's field: facts.subject + 1",
+                                                     sp)
+        index = None
+        if segs[1].data == "bracket_seg":
+            head, sel = segs[1].children
+            if len(sel.children) != 1 or sel.children[0].data != "sel_index":
+                self.fail("a field's token is one number: facts.subject[0] (its first), facts.subject[-1] "
+                          "(its last)", self.span(segs[1]))
+            field_name, index = str(head), int(sel.children[0].children[0])
+        else:
+            field_name = str(segs[1].children[0])
+        field = ast.Field(str(segs[0].children[0]), field_name, span=self.span(x))
+        return ast.FieldPos(field, index, offset, span=sp)
 
     # -- statements --
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from . import html
 from .errors import DeltaError
 from .model import DeltaModel
 from .values import CATALOGUE, MODEL_VALUES
@@ -154,10 +155,9 @@ class Results(Mapping[str, Any]):
     def __repr__(self) -> str:
         return f"<deltalang Results: {len(self)} values>\n" + self.summary()
 
-    def _repr_html_(self) -> str:  # notebooks
-        import html
-
-        return "<pre>" + html.escape(repr(self)) + "</pre>"
+    def _repr_html_(self) -> str:
+        """Notebooks: the summary as a table (`deltalang.html`)."""
+        return html.summary_table(self.summary(), list(self), title=f"deltalang Results: {len(self)} values")
 
     def files(self) -> list[str]:
         """The files `save` writes: `results.safetensors` only when there are tensors."""

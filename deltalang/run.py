@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from . import ast
 from .compiled import Experiment, model_for
 from .dataset_run import DatasetResults, run_dataset
 from .errors import DeltaError
@@ -24,6 +25,7 @@ from .parse import parse
 from .resolve import uses_dataset
 from .results import Results
 from .sweep import run_sweep, run_sweeps, sweep
+from .sweep.dataset import DatasetSweepResults, run_dataset_sweep
 
 __all__ = ["REMOTE_REFUSAL", "Experiment", "Results", "compile", "run", "run_sweep", "sweep"]
 
@@ -46,11 +48,13 @@ def compile(source: str, model: Any = None, *, filename: str = "<program>", prom
 
 def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
         batch: bool = True, remote: bool | str = False, data: Mapping[str, Any] | None = None,
-        strict: bool = False) -> Results | DatasetResults:
+        strict: bool = False) -> Results | DatasetResults | DatasetSweepResults:
     """Compile and run a program; returns its Results (DatasetResults for a program over a dataset).
 
     `data`: {dataset name: a list of dicts or a pandas DataFrame}, used instead of the
-    `dataset` line's file; `strict`: a record that does not resolve stops the run.
+    `dataset` line's file; `strict`: a record that does not resolve stops the run. A program with
+    sweeps over a dataset gives `DatasetSweepResults` (`deltalang.sweep.dataset`: normalise, --out
+    and --resume there).
     """
     if remote:
         raise DeltaError(REMOTE_REFUSAL)
@@ -58,8 +62,10 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
     if data is not None or uses_dataset(program):
         if prompt is not None:
             raise DeltaError("prompt= does not apply to a program over a dataset: its prompts are the records'")
-        return run_dataset(source, model_for(source, model, filename, program=program), filename=filename,
-                           data=data, strict=strict, batch=batch)
+        loaded = model_for(source, model, filename, program=program)
+        if any(isinstance(i, ast.Sweep) for i in program.items):
+            return run_dataset_sweep(source, loaded, filename=filename, data=data, strict=strict)
+        return run_dataset(source, loaded, filename=filename, data=data, strict=strict, batch=batch)
     return compile(source, model, filename=filename, prompt=prompt, batch=batch, remote=remote).run()
 
 

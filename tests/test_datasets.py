@@ -125,7 +125,7 @@ def test_a_missing_file_is_an_error(tmp_path: Path) -> None:
     (PATCH.replace("measure", "read L0.state_output\n    measure"), "use 'measure'"),
     (PATCH.replace("facts.corrupt", "facts.corupt"), "no record of 'facts' has a field 'corupt': did you mean"),
     (PATCH + "measure prob(facts.answer)\n", "used inside a run on it"),
-    (PATCH.replace("trace t on facts", "sweep t on facts over L in L[linear]"), "sweep over a dataset is not"),
+    (PATCH.replace("trace t on facts", "generate t on facts max_new_tokens 2"), "generate over a dataset is not"),
     ('dataset facts = "facts.jsonl"\nprompt p = "a b"\ntrace t on p { measure prob(" a") }', "no run is on it"),
 ])
 def test_what_holds_for_every_record_is_checked_first(program: str, message: str) -> None:

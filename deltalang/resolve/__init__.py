@@ -98,7 +98,7 @@ def resolve_records(program: ast.Program, datasets: Mapping[str, Dataset], spec:
     out: list[RecordResolution] = []
     for record in ds.records:
         try:
-            out.append(RecordResolution(record, resolve(expand(program, ds, record), spec, source=source,
+            out.append(RecordResolution(record, resolve(expand(program, ds, record, spec), spec, source=source,
                                                         filename=filename), None))
         except DeltaError as e:
             out.append(RecordResolution(record, None, e))

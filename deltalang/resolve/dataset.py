@@ -36,6 +36,8 @@ from .. import ast
 from ..datasets import Dataset, Record
 from ..errors import DeltaError, DeltaResolveError, Span
 from ..ir import ResolvedMeasure, measure_call_text, measure_result_name, site_text
+from ..spec import ModelSpec
+from ..tokens import tokenize
 from ..values import MODEL_VALUES
 
 PROMPT_FIELD = "prompt"
@@ -49,7 +51,16 @@ def dataset_decls(program: ast.Program) -> list[ast.DatasetDecl]:
 
 def uses_dataset(program: ast.Program) -> bool:
     """Whether the program declares a dataset or names a field (then it runs per record)."""
-    return any(isinstance(n, (ast.DatasetDecl, ast.Field)) for n in ast.walk(program))
+    return any(isinstance(n, (ast.DatasetDecl, ast.Field)) or (isinstance(n, ast.RUN_TYPES) and "." in n.prompt)
+               for n in ast.walk(program))
+
+
+def on_dataset(run: Any, names: Any) -> str | None:
+    """The dataset a run is on (`on facts`, or a field's text `on facts.corrupt`), or None."""
+    if not isinstance(run, ast.RUN_TYPES):
+        return None
+    head = run.prompt.split(".", 1)[0]
+    return head if head in names else None
 
 
 def _fail(message: str, span: Span, notes: tuple[str, ...] = ()) -> DeltaError:
@@ -60,16 +71,22 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
     """Check the program's use of its dataset (see the module doc); return the dataset its runs are on."""
     decls = {d.name: d for d in dataset_decls(program)}
     names = set(decls) | set(datasets)
-    runs = [i for i in program.items if isinstance(i, ast.RUN_TYPES) and i.prompt in names]
+    runs = [i for i in program.items if on_dataset(i, names) is not None]
+    dotted = next((i for i in program.items if isinstance(i, ast.RUN_TYPES) and "." in i.prompt
+                   and on_dataset(i, names) is None), None)
+    if dotted is not None:
+        head = dotted.prompt.split(".", 1)[0]
+        raise _fail(f"'{dotted.prompt}': no dataset named '{head}' (a run on a field is `on DATASET.FIELD`)",
+                    dotted.span)
     if not runs:
         where = next(iter(decls.values())).span if decls else program.span
         raise _fail("the program declares a dataset but no run is on it: trace NAME on DATASET { ... }", where)
-    ds_name = runs[0].prompt
+    ds_name = on_dataset(runs[0], names)
     for run in runs:
-        if not isinstance(run, ast.Trace):
-            kind = type(run).__name__.lower()
-            raise _fail(f"a {kind} over a dataset is not supported yet: runs on '{run.prompt}' are traces", run.span)
-        if run.prompt != ds_name:
+        if isinstance(run, ast.Generate):
+            raise _fail(f"a generate over a dataset is not supported yet: runs on '{run.prompt}' are traces or "
+                        f"sweeps", run.span)
+        if on_dataset(run, names) != ds_name:
             raise _fail(f"runs over two datasets ('{ds_name}', '{run.prompt}'): a program runs over one", run.span)
         for st in run.body:
             if isinstance(st, ast.Read) or (isinstance(st, ast.Step) and isinstance(st.body, ast.Read)):
@@ -78,8 +95,9 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
     if ds_name not in datasets:
         raise _fail(f"no data for the dataset '{ds_name}'", decls[ds_name].span if ds_name in decls else runs[0].span)
     ds = datasets[ds_name]
-    inside = {id(n) for r in runs for n in ast.walk(r.body)}
+    inside = {id(n) for r in runs for n in ast.walk(r)}
     used: list[tuple[str, Span]] = [(PROMPT_FIELD, runs[0].span)]
+    used.extend((r.prompt.split(".", 1)[1], r.span) for r in runs if "." in r.prompt)
     for node in ast.walk(program):
         if isinstance(node, ast.Field):
             if node.dataset != ds_name or id(node) not in inside:
@@ -89,7 +107,7 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
     for item in program.items:
         if isinstance(item, ast.RUN_TYPES):
             for node in ast.walk(item.body):
-                if isinstance(node, ast.FromSource) and node.run == ds_name and item.prompt == ds_name:
+                if isinstance(node, ast.FromSource) and node.run == ds_name and on_dataset(item, names):
                     site = node.site
                     if site is not None and site.block is None and site.position is None and \
                             site.value not in MODEL_VALUES:  # `from facts.corrupt`: a field, known or not
@@ -113,30 +131,34 @@ def _check_fields(ds: Dataset, used: list[tuple[str, Span]]) -> None:
                         span)
 
 
-def expand(program: ast.Program, ds: Dataset, record: Record) -> ast.Program:
-    """The plain program for one record (see the module doc)."""
-    taken = {getattr(i, "name", None) for i in program.items}
+def expand(program: ast.Program, ds: Dataset, record: Record, spec: ModelSpec | None = None) -> ast.Program:
+    """The plain program for one record (see the module doc); `spec` tokenizes positions from fields."""
     donors: dict[str, str] = {}  # field -> prompt name
+    where = axis_positions(program, ds, record, spec) if spec is not None else {}
 
     def donor(field: str) -> str:
-        if field not in donors:
-            name = f"{ds.name}_{field}"
-            while name in taken:
-                name += "_"
-            taken.add(name)
-            donors[field] = name
-        return donors[field]
+        return donors.setdefault(field, field_prompt(program, ds, field))
 
-    def rewrite(node: Any) -> Any:
-        if isinstance(node, ast.Field):
-            return record.fields[node.field]
-        if isinstance(node, ast.Site) and isinstance(node.position, ast.Field):
-            pos = ast.PiecePos(record.fields[node.position.field], span=node.position.span)
-            return attrs.evolve(node, position=pos)
-        if (isinstance(node, ast.FromSource) and node.run == ds.name and node.site is not None
-                and node.site.block is None and node.site.position is None and node.site.value in ds.fields):
-            return ast.FromSource(donor(node.site.value), None, span=node.span)
-        return None
+    def rewriter(run: Any) -> Callable[[Any], Any]:
+        on_field = isinstance(run, ast.RUN_TYPES) and "." in run.prompt
+
+        def rewrite(node: Any) -> Any:
+            if isinstance(node, ast.Field):
+                return record.fields[node.field]
+            if isinstance(node, ast.Site) and isinstance(node.position, ast.Field):
+                if on_field:  # a token number of the record's prompt, the same in the aligned text
+                    spot = ast.FieldPos(node.position, span=node.position.span)
+                    pos: Any = ast.IntPos(field_position(spot, ds, record, spec, run), span=spot.span)
+                else:
+                    pos = ast.PiecePos(record.fields[node.position.field], span=node.position.span)
+                return attrs.evolve(node, position=pos)
+            if (isinstance(node, ast.FromSource) and node.run == ds.name and node.site is not None
+                    and node.site.block is None and node.site.position is None and node.site.value in ds.fields):
+                return ast.FromSource(donor(node.site.value), None, span=node.span)
+            if isinstance(node, ast.Axis) and isinstance(node.domain, ast.PosList) and isinstance(run, ast.Sweep):
+                return attrs.evolve(node, domain=_written_list(node.domain, where[(run.name, node.var)]))
+            return None
+        return rewrite
 
     items: list[Any] = []
     for item in program.items:
@@ -145,7 +167,10 @@ def expand(program: ast.Program, ds: Dataset, record: Record) -> ast.Program:
                 items.append(ast.PromptDecl(ds.name, record.fields[PROMPT_FIELD], span=item.span))
                 items.append(item)  # a placeholder: the donor prompts go here
             continue
-        items.append(_map(item, rewrite))
+        new = _map(item, rewriter(item))
+        if isinstance(item, ast.RUN_TYPES) and "." in item.prompt:
+            new = attrs.evolve(new, prompt=donor(item.prompt.split(".", 1)[1]))
+        items.append(new)
     if not any(isinstance(i, ast.DatasetDecl) for i in items):  # data given from Python: no declaration
         items.insert(0, ast.PromptDecl(ds.name, record.fields[PROMPT_FIELD]))
         items.insert(1, ast.DatasetDecl(ds.name, ""))
@@ -153,6 +178,91 @@ def expand(program: ast.Program, ds: Dataset, record: Record) -> ast.Program:
     extra = [ast.PromptDecl(name, record.fields[f], span=items[at].span) for f, name in donors.items()]
     items[at:at + 1] = extra
     return attrs.evolve(program, items=tuple(items))
+
+
+def field_prompt(program: ast.Program, ds: Dataset, field: str) -> str:
+    """The prompt a record's program declares for a field's text: `facts_corrupt` (`_` added while taken)."""
+    taken = {getattr(i, "name", None) for i in program.items}
+    name = f"{ds.name}_{field}"
+    while name in taken:
+        name += "_"
+    return name
+
+
+def _written_list(d: ast.PosList, positions: tuple[int, ...]) -> ast.PosList:
+    """A record's list of positions as its plain program writes it: each token once (the first item naming it),
+    a field's position as its number, a number from the end as written (a donor counts it from its own end)."""
+    out: list[ast.AxisPos] = []
+    seen: set[int] = set()
+    for p, at in zip(d.items, positions, strict=True):
+        if at not in seen:
+            seen.add(at)
+            out.append(p if isinstance(p, ast.IntPos) else ast.IntPos(at, span=p.span))
+    return attrs.evolve(d, items=tuple(out))
+
+
+def axis_positions(program: ast.Program, ds: Dataset, record: Record,
+                   spec: ModelSpec) -> dict[tuple[str, str], tuple[int, ...]]:
+    """{(sweep, variable): the token each item of its list of positions names in this record} (non-negative,
+    in the sweep's prompt; several items may name one token). A DeltaResolveError where an item has none."""
+    out: dict[tuple[str, str], tuple[int, ...]] = {}
+    for run in program.items:
+        if not isinstance(run, ast.Sweep) or on_dataset(run, {ds.name}) is None:
+            continue
+        n = len(tokenize(spec, _run_text(run, record)))
+        for axis in run.axes:
+            if isinstance(axis.domain, ast.PosList):
+                got = []
+                for p in axis.domain.items:
+                    if isinstance(p, ast.FieldPos):
+                        got.append(field_position(p, ds, record, spec, run))
+                    elif isinstance(p, ast.IntPos) and -n <= p.value < n:
+                        got.append(p.value % n)
+                    elif isinstance(p, ast.IntPos):
+                        raise _fail(f"{axis.var} reaches {p.value}: past the end of the record's "
+                                    f"{_run_field(run)} ({n} tokens)", p.span)
+                    else:
+                        raise _fail("a sweep over a dataset takes positions from a record's fields (facts.subject) "
+                                    "or numbers (-1): a quoted piece is in one prompt only", p.span)
+                out[(run.name, axis.var)] = tuple(got)
+    return out
+
+
+def _run_field(run: Any) -> str:
+    return run.prompt.split(".", 1)[1] if "." in run.prompt else PROMPT_FIELD
+
+
+def _run_text(run: Any, record: Record) -> str:
+    return record.fields[_run_field(run)]
+
+
+def field_position(p: ast.FieldPos, ds: Dataset, record: Record, spec: ModelSpec | None, run: Any) -> int:
+    """The token `facts.subject[0] + 1` names in a record: of the field's text's first occurrence in the
+    record's prompt, its token `index` (default its last), plus `offset`. A run on another field's text
+    (`on facts.corrupt`) takes the same number, so that text must have as many tokens as the prompt."""
+    if spec is None:
+        raise DeltaError("positions from a record's fields need the model's tokenizer")
+    text, piece = record.fields[PROMPT_FIELD], record.fields[p.field.field]
+    toks = tokenize(spec, text)
+    shown = ast.format_position(p)
+    start = text.find(piece) if piece else -1
+    if start < 0:
+        raise _fail(f"'{p.field.dataset}.{p.field.field}' ({ast.quote(piece)}) does not occur in the record's "
+                    f"prompt {ast.quote(text)}", p.span)
+    cover = [i for i, (a, b) in enumerate(toks.offsets) if b > a and a < start + len(piece) and b > start]
+    k = -1 if p.index is None else p.index
+    if not -len(cover) <= k < len(cover):
+        raise _fail(f"{shown}: {ast.quote(piece)} is {len(cover)} token(s) of the record's prompt", p.span)
+    at = cover[k] + p.offset
+    if not 0 <= at < len(toks):
+        raise _fail(f"{shown} is token {at}, outside the record's prompt ({len(toks)} tokens)", p.span)
+    field = _run_field(run)
+    if field != PROMPT_FIELD and len(tokenize(spec, record.fields[field])) != len(toks):
+        m = len(tokenize(spec, record.fields[field]))
+        raise _fail(f"the record's {field} has {m} tokens and its prompt {len(toks)}: positions from fields are the "
+                    f"prompt's token numbers, so a run on {ds.name}.{field} needs it aligned token for token",
+                    p.span)
+    return at
 
 
 def _map(node: Any, fn: Callable[[Any], Any]) -> Any:

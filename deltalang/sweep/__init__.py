@@ -18,7 +18,7 @@ The package, in the order data flows (each module imports only those above it):
 - `memory`: rows per forward and the capture waves;
 - `engine`: the fast path and the naive (reference) path, cell rows of results;
 - `store`: `DIR/sweep.csv` and `DIR/sweep.json`, resume;
-- `table`, `plots`: SweepTable, the terminal tables, the PNGs;
+- `table`, `plots`, `inline`: SweepTable, the terminal tables, the PNGs, both as notebook HTML;
 - `driver`: `run_sweeps(exp)`, `run_sweep(source)`.
 
 The command `deltalang sweep` lives in `deltalang.cli`.

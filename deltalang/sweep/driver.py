@@ -11,6 +11,7 @@ sweep, the files written.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,15 +21,18 @@ import torch
 
 from ..model import DeltaModel
 from ..compiled import Experiment
+from ..html import NotebookProgress
 from ..results import Results
+from .attribution import Attribution, attribute
 from .engine import Context, baselines, run_job
 from .errors import DeltaSweepError
+from .inline import outcome_html
 from .job import Cell, Normalise, ResultRow, SweepJob, added_result_name, measure_label, plan_job, start_of
 from .memory import batch_for
 from .plots import plot_table
 from .store import SweepStore, csv_columns, csv_rows, open_store, rows_from_csv
 from .support import SUPPORT, Support
-from .table import SweepTable, token_texts
+from .table import SweepTable, render_tables, token_texts
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -43,13 +47,30 @@ class SweepOutcome:
     files: list[Path] = attrs.Factory(list)
     paths: dict[str, str] = attrs.Factory(dict)  # sweep -> "engine" | "naive: why"
 
+    def _repr_html_(self) -> str:
+        """Notebooks: each sweep's tables and plots, then the other results (`sweep.inline`)."""
+        return outcome_html(self)
+
+    def __repr__(self) -> str:
+        """A text front end's view: each sweep's tables as the terminal prints them."""
+        from rich.console import Console
+
+        out = Console(file=io.StringIO(), width=200, color_system=None, force_jupyter=False, force_terminal=False)
+        for table in self.tables:
+            for item in render_tables(table):
+                out.print(item)
+        return f"{out.file.getvalue()}<SweepOutcome: {len(self.results)} results in .results, the tables in .tables>"
+
 
 class _Progress:
-    """A rich progress bar (cells done, rate, time left), or nothing."""
+    """A rich progress bar (cells done, rate, time left), in a notebook one line updated in place, or nothing."""
 
     def __init__(self, console: Console | None, total: int) -> None:
         self.bar: Any = None
         if console is None or total == 0:
+            return
+        if console.is_jupyter:  # rich's live display needs ipywidgets there, and warns without it
+            self.bar, self.task = NotebookProgress(total), 0
             return
         from rich.progress import (
             BarColumn,
@@ -243,12 +264,20 @@ def _results_of(job: SweepJob, cell: Cell, rows: Sequence[ResultRow]) -> dict[st
 def run_sweep(source: str, model: Any = None, *, out: str | Path | None = None, resume: bool = False,
               batch_size: int | None = None, normalise: str | Mapping[str, str] | Normalise | None = None,
               progress: bool | None = None, filename: str = "<program>", prompt: str | None = None,
-              engine: str = "auto", on_chunk: Callable[[int], None] | None = None) -> SweepOutcome:
+              engine: str = "auto", on_chunk: Callable[[int], None] | None = None, method: str = "exact",
+              steps: int | None = None, refine: int = 0, path: str = "blocks") -> SweepOutcome | Attribution:
     """Compile and run a program with sweeps; see `run_sweeps` for the options.
 
         outcome = deltalang.run_sweep(text, out="runs/ablate", normalise="clean=clean,corrupted=other")
         outcome.tables[0].grid('prob(" Paris")')
+
+    `method="attribution"`: estimate every cell of the first sweep from gradients instead (`steps`
+    points of the integrated `path`, `refine` top cells run exactly; `sweep.attribution`).
     """
     exp = Experiment.from_source(source, model, filename=filename, prompt=prompt)
+    if method == "attribution":
+        return attribute(exp, steps=steps, refine=refine, out=out, exact=run_sweeps, path=path)
+    if method != "exact":
+        raise DeltaSweepError(f"method is 'exact' or 'attribution', got {method!r}")
     return run_sweeps(exp, out=out, resume=resume, batch_size=batch_size, normalise=normalise, progress=progress,
                       engine=engine, on_chunk=on_chunk)

@@ -17,6 +17,7 @@ import attrs
 from ..ir import ResolvedRun, SweepAxis
 from ..model import DeltaModel
 from ..results import for_display
+from .inline import table_html
 from .job import ResultRow
 from .store import CSV_NAME
 
@@ -69,6 +70,10 @@ class SweepTable:
             return f"L{value}"
         tok = self.tokens[value] if 0 <= value < len(self.tokens) else "?"
         return f"{value} {tok}"
+
+    def _repr_html_(self) -> str:
+        """Notebooks: the tables as HTML, the plots inline (`sweep.inline`)."""
+        return table_html(self)
 
 
 def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:

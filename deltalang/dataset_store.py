@@ -1,0 +1,182 @@
+"""A run over a dataset saved record by record: `RecordStore` (`--out DIR`, `--resume`) and `RecordProgress`.
+
+    store = RecordStore(Path("out"), meta, columns, resume=False)
+    store.add(record_index, rows)            # appended to DIR/results.csv and synced, then marked done
+    store.rows_of(i)                          # on --resume: the rows of a record done before
+
+Contract: `DIR/results.csv` (long format, `columns`) gets each record's rows as the
+record finishes, written and synced before the record is marked done in
+`DIR/progress.json` (with the program's sha256, the model and the options that
+change values), so an interrupted run loses no finished record and `resume`
+continues the same run only: a record marked done is not rerun, its rows are read
+back (a torn last line is dropped). Without `resume`, a directory holding an
+unfinished run is an error (rerun with --resume or choose another --out). The
+caller writes the final files (the CSV again in record order) and then `finish()`
+marks the run complete. Values go through `repr(float)`, so read back they are
+the same floats. Problems are DeltaErrors.
+
+`RecordProgress` is the progress line of such a run (rich, on the console given;
+nothing without one): records done of all, the cells or measures done, the rate,
+time left.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from .errors import DeltaError
+from .html import NotebookProgress
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+CSV_NAME, META_NAME = "results.csv", "progress.json"
+
+
+class RecordStore:
+    """`DIR/results.csv` appended record by record, `DIR/progress.json` saying which records are done."""
+
+    def __init__(self, directory: Path, meta: Mapping[str, Any], columns: Sequence[str], resume: bool) -> None:
+        self.dir = directory
+        self.csv = directory / CSV_NAME
+        self.meta_path = directory / META_NAME
+        self.columns = list(columns)
+        self.rows: dict[int, list[dict[str, str]]] = {}
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DeltaError(f"cannot save results in {directory}: {e.strerror or e}") from None
+        old = self._peek()
+        done: set[int] = set()
+        if resume:
+            self._check_resumable(old, meta)
+            assert old is not None
+            done = set(old.get("done", []))
+            self._load(done)
+            done &= set(self.rows)  # a record marked done must have its rows
+        elif old is not None and not old.get("complete", False):
+            raise DeltaError(f"{directory} holds an unfinished run ({len(old.get('done', []))} record(s) done): "
+                             f"rerun with --resume to continue it, or choose another --out")
+        self.meta = dict(meta, done=sorted(done), complete=False)
+        self._write_meta()
+        self._rewrite()
+
+    @property
+    def done(self) -> set[int]:
+        return set(self.meta["done"])
+
+    def _peek(self) -> dict[str, Any] | None:
+        if not self.meta_path.exists():
+            return None
+        try:
+            return json.loads(self.meta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise DeltaError(f"{self.meta_path} does not parse; delete {self.dir} to start over") from None
+
+    def _check_resumable(self, old: dict[str, Any] | None, meta: Mapping[str, Any]) -> None:
+        if old is None:
+            raise DeltaError(f"nothing to resume in {self.dir}: it holds no {META_NAME}")
+        for key, what in (("program_sha256", "program"), ("model", "model"), ("options", "options"),
+                          ("columns", "columns")):
+            if old.get(key) != meta.get(key):
+                raise DeltaError(f"{self.dir} holds a run with another {what} ({old.get(key)!r}, this one "
+                                 f"{meta.get(key)!r}): --resume continues the same run only")
+
+    def _load(self, done: set[int]) -> None:
+        if not self.csv.exists():
+            return
+        text = self.csv.read_text(encoding="utf-8")
+        if not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]  # a torn last line
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        if reader.fieldnames is not None and list(reader.fieldnames) != self.columns:
+            raise DeltaError(f"{self.csv} has columns {reader.fieldnames}, expected {self.columns}")
+        for row in reader:
+            i = int(row["record"])
+            if i in done:
+                self.rows.setdefault(i, []).append(row)
+
+    def rows_of(self, record: int) -> list[dict[str, str]]:
+        """The CSV rows of a record done before (as text)."""
+        return self.rows.get(record, [])
+
+    def _write_meta(self) -> None:
+        tmp = self.meta_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.meta, indent=1), encoding="utf-8")
+        os.replace(tmp, self.meta_path)
+
+    def _rewrite(self) -> None:
+        tmp = self.csv.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, self.columns, restval="")
+            w.writeheader()
+            for i in sorted(self.rows):
+                w.writerows(self.rows[i])
+            _sync(f)
+        os.replace(tmp, self.csv)
+
+    def add(self, record: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Append a finished record's rows, sync, then mark it done."""
+        text = [{k: (repr(float(v)) if k == "value" else str(v)) for k, v in r.items()} for r in rows]
+        with open(self.csv, "a", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, self.columns, restval="").writerows(text)
+            _sync(f)
+        self.rows[record] = text
+        self.meta["done"] = sorted({*self.meta["done"], record})
+        self._write_meta()
+
+    def finish(self) -> None:
+        """Mark the run complete (the caller has written its final files)."""
+        self.meta["complete"] = True
+        self._write_meta()
+
+
+def _sync(f: Any) -> None:
+    f.flush()
+    try:
+        os.fsync(f.fileno())
+    except OSError:  # pragma: no cover - some filesystems
+        pass
+
+
+class RecordProgress:
+    """A rich progress bar over records (and the cells or measures in them), or nothing without a console."""
+
+    def __init__(self, console: Console | None, records: int, units: int, unit: str, head: str) -> None:
+        self.bar: Any = None
+        self.records = records
+        self.done = 0
+        if console is None or records == 0:
+            return
+        if console.is_jupyter:  # a notebook: one line updated in place (rich's live display needs ipywidgets)
+            console.print(head, highlight=False)
+            self.bar, self.task = NotebookProgress(units, unit), 0
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        console.print(head, highlight=False)
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                            TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
+                            console=console, transient=False)
+        self.task = self.bar.add_task(f"record 0 of {records}", total=units)
+
+    def __enter__(self) -> RecordProgress:  # noqa: PYI034
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def advance(self, units: int, records: int = 0) -> None:
+        """`units` more cells (or records) done, of them `records` records finished."""
+        self.done += records
+        if self.bar is not None:
+            self.bar.update(self.task, advance=units, description=f"record {self.done} of {self.records}")

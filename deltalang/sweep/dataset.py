@@ -1,0 +1,374 @@
+"""Sweeps over a dataset: one sweep per record through the engine, every record's value kept, a mean per cell.
+
+    dataset facts = "data/landmarks.jsonl"
+    sweep trace on facts.corrupt over L in L[linear], t in facts.subject[0], facts.subject, facts.subject + 1, -1 {
+        write L.state_after(t) from facts
+        measure logit_diff(facts.answer, facts.foil)
+    }
+
+    out = run_dataset_sweep(source, model, filename="causal.dl", normalise="clean=facts,corrupted=facts.corrupt")
+    out.rows, out.stats, out.grid("trace", 'normalised(logit_diff(facts.answer, facts.foil))'); out.save("out/")
+
+Contract: each record's program is the plain one-prompt program
+`deltalang.resolve.dataset.expand` writes for it (positions from fields become
+that record's token numbers, each token once), run by the sweep engine
+(`run_sweeps`) exactly as that program alone would run, so a record's value in a
+cell is that program's value. A cell is named by its labels as written, the same
+for every record (`L3`, `facts.subject`, `-1`): a record's cell at a token several
+labels name (a one-token subject is its own first and last token) counts for each.
+`--normalise clean=RUN,corrupted=RUN` (a run, a prompt, or the dataset `facts`
+and a field's text `facts.corrupt`) normalises each record's effect against that
+record's own clean and corrupted runs, then the records are averaged. The other
+traces of the program give a row per record and measure (their cell labels empty).
+
+Results (`DatasetSweepResults`): `rows` in long format (record, line, the record's
+fields, sweep, one column per sweep variable, measure, value) and per cell and
+measure the mean, sample std, n and 95% CI (`deltalang.dataset_run.stats_of`).
+`save(DIR)` writes results.csv, summary.csv, summary.json, program.dl and a heatmap
+of the mean per two-axis sweep and measure. With `out`, every record's rows are
+saved as it finishes (`deltalang.dataset_store`) and `resume` continues without
+rerunning the records done. Records that do not resolve are left out, with their
+data-file line (or, `strict`, the first is the error); a per-token measure is refused.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import itertools
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .. import ast
+from ..compiled import Experiment
+from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
+from ..dataset_store import RecordProgress, RecordStore
+from ..datasets import Dataset, Record
+from ..errors import DeltaError
+from ..ir import Resolved, ResolvedRun
+from ..model import DeltaModel
+from ..parse import parse
+from ..resolve import resolve_records
+from ..resolve.dataset import axis_positions, field_prompt, measure_label, on_dataset
+from ..results import save_atomically
+from .driver import SweepOutcome, _console_for, run_sweeps
+from .job import Normalise
+from .job import measure_label as cell_measure_label
+from .plots import colour_label, heatmap, slug
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+FILES = ("results.csv", "summary.csv", "summary.json", "program.dl")
+
+
+@attrs.frozen
+class CellStats:
+    """A measure of one cell over the records: the cell's sweep and labels, and the statistics."""
+
+    sweep: str
+    point: tuple[tuple[str, str], ...]  # (variable, label as written)
+    stats: MeasureStats
+
+
+@attrs.frozen
+class DatasetSweepResults:
+    """What a sweep over a dataset gives: every record's rows, statistics per cell, the records left out."""
+
+    dataset: Dataset
+    rows: tuple[dict[str, Any], ...]
+    stats: tuple[CellStats, ...]
+    skipped: tuple[tuple[int, str], ...]
+    axes: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]]  # sweep -> ((variable, labels), ...)
+    program: str = ""
+    normalise: str | None = None
+
+    @property
+    def variables(self) -> list[str]:
+        return list(dict.fromkeys(v for axes in self.axes.values() for v, _ in axes))
+
+    def values(self, sweep: str, point: Mapping[str, str], measure: str) -> list[float]:
+        """A cell's value for each record that ran, in record order."""
+        return [r["value"] for r in self.rows if r["sweep"] == sweep and r["measure"] == measure
+                and all(r.get(k) == v for k, v in point.items())]
+
+    def stat(self, sweep: str, point: Mapping[str, str], measure: str) -> MeasureStats:
+        want = tuple(point.items())
+        return next(c.stats for c in self.stats if c.sweep == sweep and c.point == want and c.stats.measure == measure)
+
+    def measures(self, sweep: str) -> list[str]:
+        return list(dict.fromkeys(c.stats.measure for c in self.stats if c.sweep == sweep))
+
+    def grid(self, sweep: str, measure: str) -> tuple[tuple[str, ...], tuple[str, ...], list[list[float]]]:
+        """A two-axis sweep's mean per cell: (row labels: the first axis, column labels, rows x columns)."""
+        (rv, rows), (cv, cols) = self.axes[sweep]
+        means = {c.point: c.stats.mean for c in self.stats if c.sweep == sweep and c.stats.measure == measure}
+        return rows, cols, [[means.get(((rv, r), (cv, c)), math.nan) for c in cols] for r in rows]
+
+    def summary(self) -> str:
+        """Records run and left out, then per sweep and measure the mean of each cell (rows: the first axis)."""
+        n = len(self.dataset.records)
+        lines = [f"{n - len(self.skipped)} of {n} records of '{self.dataset.name}'"
+                 + (f"; normalised against {self.normalise}" if self.normalise else "")]
+        for sweep, axes in self.axes.items():
+            for m in self.measures(sweep):
+                if len(axes) == 2:
+                    rows, cols, grid = self.grid(sweep, m)
+                    lines.append(f"{sweep}: {m}, mean over records ({axes[0][0]} down, {axes[1][0]} across)")
+                    width = max(8, *(len(c) for c in cols))
+                    lines.append(" " * 8 + "".join(f"{c:>{width + 1}}" for c in cols))
+                    lines.extend(f"{r:8}" + "".join(f"{x:>{width + 1}.3f}" for x in row) for r, row in zip(rows, grid))
+                else:
+                    for c in self.stats:
+                        if c.sweep == sweep and c.stats.measure == m:
+                            at = ", ".join(f"{k}={v}" for k, v in c.point)
+                            s = c.stats
+                            lines.append(f"{sweep}[{at}] {m}: mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  "
+                                         f"95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]")
+        for c in self.stats:
+            if c.sweep not in self.axes:
+                s = c.stats
+                lines.append(f"{s.measure:48} mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  "
+                             f"95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]")
+        if self.skipped:
+            lines.append(f"left out {len(self.skipped)} of {n} records (--strict stops instead):")
+            lines.extend(f"  {self.dataset.where(self.dataset.records[i])}: {why}" for i, why in self.skipped)
+        return "\n".join(lines)
+
+    def columns(self) -> list[str]:
+        return ["record", "line", *self.dataset.fields, "sweep", *self.variables, "measure", "value"]
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `FILES` and the heatmaps into `directory`, each replacing its former version at once."""
+        return save_atomically(directory, self._write)
+
+    def _write(self, tmp: Path) -> None:
+        with open(tmp / "results.csv", "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, self.columns(), restval="")
+            w.writeheader()
+            w.writerows({k: (repr(v) if k == "value" else v) for k, v in r.items()} for r in self.rows)
+        cols = ["mean", "std", "n", "ci_low", "ci_high"]
+        with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
+            w2 = csv.writer(f)
+            w2.writerow(["sweep", *self.variables, "measure", *cols])
+            for c in self.stats:
+                at = dict(c.point)
+                w2.writerow([c.sweep, *(at.get(v, "") for v in self.variables), c.stats.measure,
+                             *(getattr(c.stats, k) for k in cols)])
+        summary = {"dataset": self.dataset.name, "origin": self.dataset.origin, "records": len(self.dataset.records),
+                   "normalise": self.normalise, "axes": {s: dict(a) for s, a in self.axes.items()},
+                   "cells": [{"sweep": c.sweep, **dict(c.point), **attrs.asdict(c.stats)} for c in self.stats],
+                   "left_out": [{"record": i, "line": self.dataset.records[i].line, "why": why}
+                                for i, why in self.skipped]}
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+        (tmp / "program.dl").write_text(self.program, encoding="utf-8")
+        for sweep, axes in self.axes.items():
+            if len(axes) == 2:
+                for m in self.measures(sweep):
+                    rows, cols, grid = self.grid(sweep, m)
+                    kind = "normalised" if m.startswith("normalised(") else m.split("(")[0]
+                    heatmap(grid, cols, rows, f"{sweep}: {m}\nmean over {self._n(sweep, m)} records", axes[1][0],
+                            axes[0][0], tmp / f"{sweep}-{slug(m)}.png", kind=kind, label=colour_label(m, kind))
+
+    def _n(self, sweep: str, measure: str) -> int:
+        return max((c.stats.n for c in self.stats if c.sweep == sweep and c.stats.measure == measure), default=0)
+
+
+def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<program>",
+                      data: Mapping[str, Any] | None = None, datasets: Mapping[str, Dataset] | None = None,
+                      strict: bool = False, normalise: str | Mapping[str, str] | None = None,
+                      out: str | Path | None = None, resume: bool = False, batch_size: int | None = None,
+                      engine: str = "auto", progress: bool | None = None, console: Console | None = None,
+                      on_record: Callable[[int], None] | None = None) -> DatasetSweepResults:
+    """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved."""
+    if resume and out is None:
+        raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
+    program = parse(source, filename)
+    if datasets is None:
+        datasets = load_datasets(source, filename, data)
+    ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
+    skipped = left_out(ds, resolutions, strict)
+    norm = Normalise.parse(normalise)
+    good = [(r.record, r.resolved) for r in resolutions if r.resolved is not None]
+    axes = template_axes(program, good[0][1])
+    variables = list(dict.fromkeys(v for a in axes.values() for v, _ in a))
+    columns = ["record", "line", *ds.fields, "sweep", *variables, "measure", "value"]
+    store = None
+    if out is not None:
+        meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
+                "model": model.spec.model_id, "options": {"normalise": None if norm is None else norm.text(),
+                                                          "engine": engine, "batch_size": batch_size},
+                "columns": columns, "records": len(ds.records)}
+        store = RecordStore(Path(out), meta, columns, resume)
+    done = store.done if store is not None else set()
+    todo = [(rec, res) for rec, res in good if rec.index not in done]
+    console = _console_for(progress, console)
+    cells = sum(_cells(res) for _, res in todo)
+    head = (f"sweep over '{ds.name}': {len(todo)} record(s) to run" + (f", {len(good) - len(todo)} done before"
+            if len(todo) < len(good) else "") + f", {cells} cells; each record's sweep through "
+            + ("the engine (a forward per cell where it cannot serve one)" if engine == "auto" else "the naive path"))
+    rows: dict[int, list[dict[str, Any]]] = {rec.index: _reread(store, rec, variables) for rec, _ in good
+                                             if rec.index in done}
+    bar = RecordProgress(console, len(todo), cells, "cells", head)
+    try:
+        with bar:
+            for rec, res in todo:
+                rows[rec.index] = _run_record(program, ds, rec, res, model, source, filename, norm, batch_size,
+                                              engine, bar)
+                if store is not None:
+                    store.add(rec.index, [{k: r.get(k, "") for k in columns} for r in rows[rec.index]])
+                if on_record is not None:
+                    on_record(rec.index)
+    except KeyboardInterrupt:
+        if console is not None:
+            where = f"saved in {out}; rerun with --resume to continue" if out else "not saved (no --out)"
+            console.print(f"interrupted: {bar.done} of {len(todo)} record(s) done, {where}")
+        raise
+    result = _results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm)
+    if out is not None and store is not None:
+        result.save(out)
+        store.finish()
+    return result
+
+
+def _cells(resolved: Resolved) -> int:
+    return sum(math.prod(len(a.values) for a in r.axes) for r in resolved.runs if r.kind == "sweep")
+
+
+def _run_record(program: ast.Program, ds: Dataset, rec: Record, resolved: Resolved, model: DeltaModel, source: str,
+                filename: str, norm: Normalise | None, batch_size: int | None, engine: str,
+                bar: RecordProgress) -> list[dict[str, Any]]:
+    """One record's sweep(s), through the engine, as rows labelled as the template writes its cells."""
+    seen = [0]
+
+    def advance(n: int) -> None:
+        bar.advance(n - seen[0])
+        seen[0] = n
+
+    exp = Experiment(source, model, filename=filename, resolved=resolved)
+    try:
+        outcome = run_sweeps(exp, normalise=_record_normalise(program, ds, norm), progress=False,
+                             batch_size=batch_size, engine=engine, on_chunk=advance)
+    except DeltaError as e:
+        e.notes = (*e.notes, f"in record {rec.index + 1} ({ds.where(rec)})")
+        raise
+    bar.advance(0, 1)
+    return record_rows(program, ds, rec, resolved, outcome, model)
+
+
+def _record_normalise(program: ast.Program, ds: Dataset, norm: Normalise | None) -> Normalise | None:
+    """`--normalise` in a record's program: a field's text `facts.corrupt` is the prompt the record declares."""
+    if norm is None:
+        return None
+
+    def name(n: str) -> str:
+        head, _, field = n.partition(".")
+        return field_prompt(program, ds, field) if head == ds.name and field else n
+
+    return Normalise(name(norm.clean), name(norm.corrupted))
+
+
+def template_axes(program: ast.Program, resolved: Resolved) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:
+    """Each sweep's axes as the template writes them: (variable, labels): `L3`, `2`, `facts.subject`, `-1`."""
+    out: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+    for item in program.items:
+        if isinstance(item, ast.Sweep):
+            run = resolved.run(item.name)
+            axes = []
+            for axis, got in zip(item.axes, run.axes, strict=True):
+                d = axis.domain
+                if isinstance(d, ast.PosList):
+                    labels = tuple(ast.format_position(p) for p in d.items)
+                elif got.kind == "block":
+                    labels = tuple(f"L{b}" for b in got.values)
+                else:
+                    labels = tuple(str(v) for v in got.labels)
+                axes.append((axis.var, labels))
+            out[item.name] = tuple(axes)
+    return out
+
+
+def _labels_by_value(program: ast.Program, ds: Dataset, rec: Record, run: ResolvedRun,
+                     model: DeltaModel) -> dict[str, dict[int, list[str]]]:
+    """{variable: {a record's block or token: the labels naming it}} for one sweep."""
+    item = next(i for i in program.items if isinstance(i, ast.Sweep) and i.name == run.name)
+    where = axis_positions(program, ds, rec, model.spec)
+    out: dict[str, dict[int, list[str]]] = {}
+    for axis, got in zip(item.axes, run.axes, strict=True):
+        m: dict[int, list[str]] = {}
+        if isinstance(axis.domain, ast.PosList):
+            for p, at in zip(axis.domain.items, where[(run.name, axis.var)], strict=True):
+                m.setdefault(at, []).append(ast.format_position(p))
+        else:
+            for v, lab in zip(got.values, got.labels, strict=True):
+                m.setdefault(v, []).append(f"L{v}" if got.kind == "block" else str(lab))
+        out[axis.var] = m
+    return out
+
+
+def record_rows(program: ast.Program, ds: Dataset, rec: Record, resolved: Resolved, outcome: SweepOutcome,
+                model: DeltaModel) -> list[dict[str, Any]]:
+    """A record's rows: one per cell label and measure of each sweep, one per measure of its other traces."""
+    base = {"record": rec.index, "line": rec.line, **rec.fields}
+    out: list[dict[str, Any]] = []
+    tables = {t.name: t for t in outcome.tables}
+    for run in resolved.runs:
+        if run.kind == "sweep":
+            names = {cell_measure_label(m): _template_measure(program, m) for m in run.measures}
+            names.update({f"normalised({k})": f"normalised({v})" for k, v in names.items()})
+            labels = _labels_by_value(program, ds, rec, run, model)
+            for r in tables[run.name].rows:
+                if r.position is not None:
+                    raise DeltaError(f"{r.measure} is a per-token measure: a sweep over a dataset averages one "
+                                     f"value per cell (measure norm(...) of one position)")
+                choices = [[(var, lab) for lab in labels[var][v]] for var, v in r.point]
+                for point in itertools.product(*choices):
+                    out.append({**base, "sweep": run.name, **dict(point), "measure": names[r.measure],
+                                "value": r.value})
+        elif not run.implicit:
+            for m in run.measures:
+                out.append({**base, "sweep": run.name, "measure": measure_label(program, run.name, m),
+                            "value": float(outcome.results[m.result_name])})
+    return out
+
+
+def _template_measure(program: ast.Program, m: Any) -> str:
+    """A sweep's measure as the template writes it: `logit_diff(facts.answer, facts.foil)`, or its `as` name."""
+    if m.alias is not None:
+        return cell_measure_label(m)
+    call = next((n for n in ast.walk(program) if isinstance(n, (ast.Prob, ast.Rank, ast.LogitDiff, ast.KL, ast.Norm))
+                 and n.span == m.span and m.span != ast.NOSPAN), None)
+    return cell_measure_label(m) if call is None else ast.format_measure(call)
+
+
+def _reread(store: RecordStore | None, rec: Record, variables: Sequence[str]) -> list[dict[str, Any]]:
+    """A record's rows saved before (--resume), as `record_rows` gives them."""
+    assert store is not None
+    base = {"record": rec.index, "line": rec.line, **rec.fields}
+    return [{**base, "sweep": r["sweep"], **{v: r[v] for v in variables if r[v] != ""}, "measure": r["measure"],
+             "value": float(r["value"])} for r in store.rows_of(rec.index)]
+
+
+def _results(ds: Dataset, rows: list[dict[str, Any]], skipped: tuple[tuple[int, str], ...],
+             axes: dict[str, tuple[tuple[str, tuple[str, ...]], ...]], source: str,
+             norm: Normalise | None) -> DatasetSweepResults:
+    """Statistics per cell and measure, cells in the order of their axes' labels."""
+    variables = list(dict.fromkeys(v for a in axes.values() for v, _ in a))
+    groups: dict[tuple[str, tuple[tuple[str, str], ...], str], list[float]] = {}
+    for r in rows:
+        point = tuple((v, r[v]) for v in variables if v in r)
+        groups.setdefault((r["sweep"], point, r["measure"]), []).append(r["value"])
+
+    def order(key: tuple[str, tuple[tuple[str, str], ...], str]) -> tuple[Any, ...]:
+        sweep, point, _ = key
+        labels = dict(axes.get(sweep, ()))
+        return (sweep not in axes, tuple(labels[v].index(lab) for v, lab in point))
+
+    keys = sorted(groups, key=order)  # stable: measures keep their first-seen order
+    stats = tuple(CellStats(s, p, stats_of(m, groups[(s, p, m)])) for s, p, m in keys)
+    return DatasetSweepResults(ds, tuple(rows), stats, skipped, axes, source, None if norm is None else norm.text())
