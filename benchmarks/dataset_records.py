@@ -43,8 +43,9 @@ PROGRAM = """trace t on facts {
 WORDS = ["tower", "river", "garden", "bridge", "castle", "market", "temple", "harbor", "museum", "palace"]
 
 
-def records(n: int, low: int, high: int, seed: int = 0) -> list[dict[str, str]]:
-    """n records of low..high bytes (tokens of the byte tokenizer), the subject in the middle."""
+def records(n: int, low: int, high: int, seed: int = 0, shuffle: bool = True) -> list[dict[str, str]]:
+    """n records of low..high bytes (tokens of the byte tokenizer), the subject in the middle; in a
+    random order unless `shuffle` is False (then shortest first)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -55,7 +56,8 @@ def records(n: int, low: int, high: int, seed: int = 0) -> list[dict[str, str]]:
         tail = "".join(rng.choice("abcdefgh ") for _ in range(length - len(subject) - len(head)))
         out.append({"prompt": head + subject + tail, "corrupt": head + other + tail, "subject": subject,
                     "answer": "x", "foil": "y"})
-    rng.shuffle(out)
+    if shuffle:
+        rng.shuffle(out)
     return out
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import random
 import sys
 import time
 from pathlib import Path
@@ -32,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for
+from dataset_records import records as _records
 
 from deltalang.model import DeltaModel, wrap_model
 from deltalang.sweep.dataset import run_dataset_sweep
 
 LABELS = ("facts.subject", "facts.subject + 1", "-1")
-WORDS = ["tower", "river", "garden", "bridge", "castle", "market", "temple", "harbor", "museum", "palace"]
 
 
 def sweep_program(blocks: list[int]) -> str:
@@ -45,26 +44,11 @@ def sweep_program(blocks: list[int]) -> str:
             "    write L.state_after(t) from facts\n    measure logit_diff(facts.answer, facts.foil)\n}\n")
 
 
-def records(n: int, low: int, high: int, seed: int = 0) -> list[dict[str, str]]:
-    """n records of low..high bytes (tokens of the byte tokenizer), the subject in the middle."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        length = low + (high - low) * i // max(n - 1, 1)
-        subject, other = rng.sample(WORDS[:4], 2) if i % 2 else rng.sample(WORDS[4:], 2)
-        other = other[:len(subject)].ljust(len(subject), "s")
-        head = "".join(rng.choice("abcdefgh ") for _ in range((length - len(subject)) // 2))
-        tail = "".join(rng.choice("abcdefgh ") for _ in range(length - len(subject) - len(head)))
-        out.append({"prompt": head + subject + tail, "corrupt": head + other + tail, "subject": subject,
-                    "answer": "x", "foil": "y"})
-    return out
-
-
 def part_b(model: DeltaModel, n_records: int = 32, low: int = 16, high: int = 96, blocks: int | None = None,
            repeat: int = 1, warmup: int = 0) -> None:
     """(b) a dataset sweep: the engine vs a loop of one nnsight trace per cell per record; prints the table."""
     tok = model.tokenizer
-    data = records(n_records, low, high)
+    data = _records(n_records, low, high, shuffle=False)
     linear = model.linear_layers()[:blocks]
     program = sweep_program(linear)
     x, y = tok("x").input_ids[0], tok("y").input_ids[0]
