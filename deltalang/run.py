@@ -15,6 +15,7 @@ Remote execution (nnsight's NDIF) is refused: `compile(..., remote=...)` and
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 from . import ast
@@ -48,13 +49,16 @@ def compile(source: str, model: Any = None, *, filename: str = "<program>", prom
 
 def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
         batch: bool = True, remote: bool | str = False, data: Mapping[str, Any] | None = None,
-        strict: bool = False) -> Results | DatasetResults | DatasetSweepResults:
+        strict: bool = False, out: str | Path | None = None, resume: bool = False,
+        normalise: str | Mapping[str, str] | None = None) -> Results | DatasetResults | DatasetSweepResults:
     """Compile and run a program; returns its Results (DatasetResults for a program over a dataset).
 
     `data`: {dataset name: a list of dicts or a pandas DataFrame}, used instead of the
     `dataset` line's file; `strict`: a record that does not resolve stops the run. A program with
-    sweeps over a dataset gives `DatasetSweepResults` (`deltalang.sweep.dataset`: normalise, --out
-    and --resume there).
+    sweeps over a dataset gives `DatasetSweepResults`. Over a dataset, `out` saves the run record by
+    record into that directory and `resume` continues a run saved there (as `--out`/`--resume`);
+    `normalise` ({"clean": RUN, "corrupted": RUN} or "clean=A,corrupted=B") applies to dataset sweeps.
+    A one-prompt program takes none of the three: save its results with `Results.save`.
     """
     if remote:
         raise DeltaError(REMOTE_REFUSAL)
@@ -64,8 +68,17 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
             raise DeltaError("prompt= does not apply to a program over a dataset: its prompts are the records'")
         loaded = model_for(source, model, filename, program=program)
         if any(isinstance(i, ast.Sweep) for i in program.items):
-            return run_dataset_sweep(source, loaded, filename=filename, data=data, strict=strict)
-        return run_dataset(source, loaded, filename=filename, data=data, strict=strict, batch=batch)
+            return run_dataset_sweep(source, loaded, filename=filename, data=data, strict=strict,
+                                     normalise=normalise, out=out, resume=resume)
+        if normalise is not None:
+            raise DeltaError("normalise= applies to sweeps (over a dataset: a `sweep ... on facts...`); "
+                             "this program over a dataset has none")
+        return run_dataset(source, loaded, filename=filename, data=data, strict=strict, batch=batch,
+                           out=out, resume=resume)
+    for given, what in ((out, "out="), (resume or None, "resume="), (normalise, "normalise=")):
+        if given is not None:
+            raise DeltaError(f"{what} applies to a program over a dataset; save a one-prompt run's results "
+                             "with Results.save(DIR), and run sweeps with deltalang.run_sweep(..., out=DIR)")
     return compile(source, model, filename=filename, prompt=prompt, batch=batch, remote=remote).run()
 
 

@@ -236,6 +236,30 @@ def test_from_python_a_list_of_dicts_and_records_left_out(model: deltalang.Delta
         deltalang.run(src, model, data={"facts": [RECORDS[0], bad]}, strict=True)
 
 
+def test_run_with_data_saves_resumes_and_refuses_what_does_not_apply(model: deltalang.DeltaModel,
+                                                                     tmp_path: Path) -> None:
+    src = 'trace t on facts { write L[linear].state_after(facts.subject) from facts.corrupt; ' \
+          'measure logit_diff(facts.answer, facts.foil) }'
+    data = {"facts": RECORDS[:3]}
+    whole = deltalang.run(src, model, data=data, out=tmp_path / "whole")
+    assert (tmp_path / "whole" / "results.csv").read_text(encoding="utf-8").count("\n") == 1 + 3
+    # a finished run resumed reruns nothing and gives the same rows
+    again = deltalang.run(src, model, data=data, out=tmp_path / "whole", resume=True)
+    assert again.rows == whole.rows
+    with pytest.raises(DeltaError, match="normalise= applies to sweeps"):
+        deltalang.run(src, model, data=data, normalise="clean=a,corrupted=b")
+    with pytest.raises(DeltaError, match="out= applies to a program over a dataset"):
+        deltalang.run("read L0.state_output", model, prompt="The Eiffel Tower", out=tmp_path / "x")
+    sweep = 'sweep s on facts.corrupt over L in L[0,1], t in facts.subject, -1 {\n' \
+            '    write L.state_after(t) from facts\n    measure logit_diff(facts.answer, facts.foil)\n}\n'
+    norm = deltalang.run(sweep, model, data=data, normalise={"clean": "facts", "corrupted": "facts.corrupt"},
+                         out=tmp_path / "sweep")
+    raw = deltalang.run(sweep, model, data=data)
+    assert (tmp_path / "sweep" / "results.csv").exists()
+    assert any(r["measure"].startswith("normalised(") for r in norm.rows)
+    assert not any(r["measure"].startswith("normalised(") for r in raw.rows)
+
+
 @needs_model
 def test_a_records_warning_is_shown_once_naming_the_record(model: deltalang.DeltaModel) -> None:
     cut = dict(RECORDS[0], subject=RECORDS[0]["subject"][:-2])  # "Eiffel Tow": part of a token
