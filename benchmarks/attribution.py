@@ -205,8 +205,9 @@ def speed(threads: int) -> None:
     d = model.spec.dims
     block = len(ids[0]) * d["heads"] * d["key_dim"] * d["value_dim"] * 4 / 2**20
     times = {}
-    for name, kw in ((f"estimate (default: blocks, k={DEFAULT_STEPS}) + refine top 20", {}),
-                     ("estimate (plain) + refine top 20", {"steps": 0})):
+    runs = [(f"estimate (blocks, k={k}{', the default' if k == DEFAULT_STEPS else ''}) + refine top 20",
+             {"steps": k}) for k in sorted({DEFAULT_STEPS, 2, 4}, reverse=True)]
+    for name, kw in (*runs, ("estimate (plain) + refine top 20", {"steps": 0})):
         t0 = time.perf_counter()
         est = deltalang.run_sweep(src, model, method="attribution", refine=20, **kw)
         times[name] = time.perf_counter() - t0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import threading
 import time
@@ -141,7 +142,8 @@ def main() -> None:
                             warmup=args.warmup)
         rows.append((n, times, peaks))
 
-    print(f"benchmarks/values.py — {datetime.date.today()} — {machine()}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"benchmarks/values.py — {datetime.datetime.now():%Y-%m-%d %H:%M} — {machine()}; load average {load}")
     print("random Qwen3.5-0.8B-shaped model, all 18 DeltaNet blocks: set_state_after(t = n/2) (split, token), "
           f"`states` reduced to per-token norms (states, states/loop); median of {args.repeat}, "
           f"{args.warmup} warm-up; "

@@ -58,7 +58,23 @@ class Field:
     span: Span = _span()
 
 
-Position = Union[IntPos, PiecePos, VarPos, Field]
+@attrs.frozen
+class AllPos:
+    """`*`: every position of the prompt, one op per position."""
+
+    span: Span = _span()
+
+
+@attrs.frozen
+class RangePos:
+    """`2..6`: the positions 2 to 5 (half-open, as sweep ranges; a negative end counts from the end)."""
+
+    start: int
+    stop: int
+    span: Span = _span()
+
+
+Position = Union[IntPos, PiecePos, VarPos, Field, AllPos, RangePos]
 Text = Union[str, Field]  # a measured token: quoted, or a record's field
 
 # ---- selectors -------------------------------------------------------------
@@ -135,6 +151,7 @@ class Site:
     block: Selector | None
     value: str
     position: Position | None = None
+    head: Union[IntPos, VarPos, None] = None  # `.head(3)`, `.head(h)`: one value head's slice
     span: Span = _span()
 
 
@@ -181,7 +198,47 @@ class MeanSource:
     span: Span = _span()
 
 
-Source = Union[FromSource, ZerosSource, NamedSource, ScaleSource, MeanSource]
+@attrs.frozen
+class LoadSource:
+    """`load("direction.safetensors")` or `load("file.safetensors", "key")`: a tensor from a file."""
+
+    path: str
+    key: str | None = None
+    span: Span = _span()
+
+
+@attrs.frozen
+class Number:
+    """A number inside a source's arithmetic: `4` in `4 * mean(happy)`."""
+
+    value: float
+    span: Span = _span()
+
+
+@attrs.frozen
+class BinOp:
+    """`LEFT OP RIGHT` with OP one of + - * over sources and numbers."""
+
+    op: str
+    left: "Expr"
+    right: "Expr"
+    span: Span = _span()
+
+
+Atom = Union[FromSource, ZerosSource, NamedSource, MeanSource, LoadSource, Number]
+Expr = Union[Atom, BinOp]
+
+
+@attrs.frozen
+class ExprSource:
+    """`= EXPR` (arithmetic over sources) or `+= EXPR` (added to the value the forward computed)."""
+
+    expr: Expr
+    add: bool = False
+    span: Span = _span()
+
+
+Source = Union[FromSource, ZerosSource, NamedSource, ScaleSource, MeanSource, LoadSource, ExprSource]
 
 # ---- measures --------------------------------------------------------------
 
@@ -191,6 +248,14 @@ class Prob:
     """`prob(" tok")`: the next-token probability of one token."""
 
     token: Text
+    span: Span = _span()
+
+
+@attrs.frozen
+class Top:
+    """`top(5)`: the k most likely next tokens and their probabilities."""
+
+    k: int
     span: Span = _span()
 
 
@@ -227,7 +292,7 @@ class Norm:
     span: Span = _span()
 
 
-MeasureCall = Union[Prob, Rank, LogitDiff, KL, Norm]
+MeasureCall = Union[Prob, Rank, LogitDiff, KL, Norm, Top]
 
 # ---- statements ------------------------------------------------------------
 
@@ -256,6 +321,7 @@ class Measure:
 
     calls: tuple[MeasureCall, ...]
     alias: str | None = None
+    at: Union[IntPos, PiecePos, None] = None  # `at -2`: the logits of that position, not the last
     span: Span = _span()
 
 
@@ -348,11 +414,19 @@ class PosList:
 
 
 @attrs.frozen
+class Heads:
+    """`heads` (every value head) or `heads[0:4]`, `heads[0,2]` in a sweep axis."""
+
+    items: tuple[SelItem, ...] = ()  # empty: every head
+    span: Span = _span()
+
+
+@attrs.frozen
 class Axis:
-    """`VAR in SELECTOR`, `VAR in A..B` or `VAR in POS, POS, ...` in a sweep header."""
+    """`VAR in SELECTOR`, `VAR in A..B`, `VAR in heads` or `VAR in POS, POS, ...` in a sweep header."""
 
     var: str
-    domain: Union[Selector, Range, PosList]
+    domain: Union[Selector, Range, PosList, Heads]
     span: Span = _span()
 
 
@@ -367,25 +441,48 @@ class Trace:
 
 
 @attrs.frozen
+class Sampling:
+    """`temperature T top_p P seed S` after a generate's max_new_tokens: sample instead of greedy."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    span: Span = _span()
+
+
+@attrs.frozen
 class Generate:
-    """`generate NAME on PROMPT max_new_tokens N { ... }`."""
+    """`generate NAME on PROMPT max_new_tokens N [temperature T] [top_p P] [seed S] { ... }`."""
 
     name: str
     prompt: str
     max_new_tokens: int
     body: tuple[Statement, ...]
+    sampling: Sampling | None = None  # None: greedy
+    span: Span = _span()
+
+
+@attrs.frozen
+class SweepMethod:
+    """`method attribution [steps K] [refine K] [path P]` after a sweep's axes: how its cells are computed."""
+
+    name: str
+    steps: int | None = None
+    refine: int | None = None
+    path: str | None = None
     span: Span = _span()
 
 
 @attrs.frozen
 class Sweep:
-    """`sweep NAME on PROMPT over VAR in ..., ... { ... }`: one trace per point of the axes."""
+    """`sweep NAME on PROMPT over VAR in ..., ... [method ...] { ... }`: one trace per point of the axes."""
 
     name: str
     prompt: str
     axes: tuple[Axis, ...]
     body: tuple[Statement, ...]
     span: Span = _span()
+    method: SweepMethod | None = None
 
 
 Run = Union[Trace, Generate, Sweep]
@@ -445,6 +542,10 @@ def format_position(p: Position | FieldPos) -> str:
         return quote(p.text)
     if isinstance(p, Field):
         return format_text(p)
+    if isinstance(p, AllPos):
+        return "*"
+    if isinstance(p, RangePos):
+        return f"{p.start}..{p.stop}"
     return p.name
 
 
@@ -471,6 +572,8 @@ def format_selector(sel: Selector) -> str:
 def format_site(site: Site) -> str:
     """`L0.state_after(3)`, `L[linear].states`, `next_token_probs`."""
     text = site.value if site.position is None else f"{site.value}({format_position(site.position)})"
+    if site.head is not None:
+        text += f".head({format_position(site.head)})"
     return text if site.block is None else f"{format_selector(site.block)}.{text}"
 
 
@@ -484,7 +587,31 @@ def format_source(src: Source) -> str:
         return f"= {src.name}"
     if isinstance(src, ScaleSource):
         return f"*= {format_number(src.factor)}"
-    return "= mean(" + ", ".join(src.prompts) + ")"
+    if isinstance(src, ExprSource):
+        return ("+= " if src.add else "= ") + format_expr(src.expr)
+    return "= " + format_expr(src)
+
+
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2}
+
+
+def format_expr(e: Expr, outer: int = 0, right: bool = False) -> str:
+    """An operand of a source's arithmetic as written: `mean(a)`, `other.L2.state_output`, `4 * (a - b)`."""
+    if isinstance(e, BinOp):
+        prec = _PRECEDENCE[e.op]
+        text = f"{format_expr(e.left, prec)} {e.op} {format_expr(e.right, prec, right=True)}"
+        return f"({text})" if prec < outer or (right and prec == outer) else text
+    if isinstance(e, Number):
+        return str(int(e.value)) if e.value.is_integer() and abs(e.value) < 1e15 else format_number(e.value)
+    if isinstance(e, FromSource):
+        return e.run + ("" if e.site is None else "." + format_site(e.site))
+    if isinstance(e, ZerosSource):
+        return "zeros"
+    if isinstance(e, NamedSource):
+        return e.name
+    if isinstance(e, LoadSource):
+        return f"load({quote(e.path)}" + ("" if e.key is None else f", {quote(e.key)}") + ")"
+    return "mean(" + ", ".join(e.prompts) + ")"
 
 
 def format_measure(m: MeasureCall) -> str:
@@ -497,6 +624,8 @@ def format_measure(m: MeasureCall) -> str:
         return f"logit_diff({format_text(m.a)}, {format_text(m.b)})"
     if isinstance(m, KL):
         return f"kl({m.run})"
+    if isinstance(m, Top):
+        return f"top({m.k})"
     return f"norm({format_site(m.site)})"
 
 
@@ -511,7 +640,8 @@ def format_statement(st: Statement | Decl) -> str:
     if isinstance(st, Write):
         return f"write {format_site(st.site)} {format_source(st.source)}"
     if isinstance(st, Measure):
-        return "measure " + ", ".join(format_measure(m) for m in st.calls) + _alias(st.alias)
+        at = "" if st.at is None else f" at {format_position(st.at)}"
+        return "measure " + ", ".join(format_measure(m) for m in st.calls) + at + _alias(st.alias)
     if isinstance(st, Route):
         return f"route {st.kernel}"
     if isinstance(st, Step):
@@ -531,9 +661,19 @@ def format_axis(axis: Axis) -> str:
     d = axis.domain
     if isinstance(d, PosList):
         dom = ", ".join(format_position(p) for p in d.items)
+    elif isinstance(d, Heads):
+        dom = "heads" + ("[" + ",".join(format_sel_item(i) for i in d.items) + "]" if d.items else "")
     else:
         dom = f"{d.start}..{d.stop}" if isinstance(d, Range) else format_selector(d)
     return f"{axis.var} in {dom}"
+
+
+def format_sampling(s: Sampling | None) -> str:
+    """` temperature 0.7 top_p 0.9 seed 1`: the options a generate gives (empty when it is greedy)."""
+    if s is None:
+        return ""
+    return "".join(f" {k} {format_number(v) if k != 'seed' else v}" for k, v in
+                   (("temperature", s.temperature), ("top_p", s.top_p), ("seed", s.seed)) if v is not None)
 
 
 def format_run_header(run: Run) -> str:
@@ -541,8 +681,16 @@ def format_run_header(run: Run) -> str:
     if isinstance(run, Trace):
         return f"trace {run.name} on {run.prompt}"
     if isinstance(run, Generate):
-        return f"generate {run.name} on {run.prompt} max_new_tokens {run.max_new_tokens}"
-    return f"sweep {run.name} on {run.prompt} over " + ", ".join(format_axis(a) for a in run.axes)
+        head = f"generate {run.name} on {run.prompt} max_new_tokens {run.max_new_tokens}"
+        return head + format_sampling(run.sampling)
+    head = f"sweep {run.name} on {run.prompt} over " + ", ".join(format_axis(a) for a in run.axes)
+    return head if run.method is None else f"{head} {format_method(run.method)}"
+
+
+def format_method(m: SweepMethod) -> str:
+    """`method attribution steps 2 refine 20 path blocks` (the options given, in this order)."""
+    opts = [(k, getattr(m, k)) for k in ("steps", "refine", "path")]
+    return " ".join([f"method {m.name}", *(f"{k} {v}" for k, v in opts if v is not None)])
 
 
 @attrs.frozen

@@ -322,7 +322,7 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
 
     from .results import Results
     from .sweep import DeltaSweepError, render_tables, run_sweeps
-    from .sweep.attribution import attribute
+    from .sweep.attribution import attribute, method_of
 
     t0 = time.perf_counter()
     if exp is None:
@@ -337,9 +337,11 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     if not exp.has_sweeps:
         raise DeltaSweepError("the program has no sweep: run it with `deltalang run`")
     out = getattr(args, "out", None)
-    if getattr(args, "attribution", False):  # method attribution: estimates, the top --refine cells exact
-        got = attribute(exp, steps=args.steps, refine=args.refine, out=out, exact=run_sweeps, path=args.path)
-        print(got.table(max(20, args.refine)))
+    how = method_of(exp, "attribution" if getattr(args, "attribution", False) else None, getattr(args, "steps", None),
+                    getattr(args, "refine", None), getattr(args, "path", None))
+    if how is not None:  # method attribution (the program's or --attribution): estimates, the top cells exact
+        got = attribute(exp, steps=how.steps, refine=how.refine, out=out, exact=run_sweeps, path=how.path)
+        print(got.table(max(20, how.refine)))
         err.print(f"wrote {got.files[0]}" if got.files else "", f"({time.perf_counter() - t0:.1f} s)")
         return 0
     if out is None and getattr(args, "command", "sweep") == "sweep":
@@ -402,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "(default: cpu)")
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
         p.add_argument("--device-map", default=None,
-                       help="shard a large checkpoint over the local GPUs (e.g. 'auto'; needs accelerate)")
+                       help="shard a large checkpoint through accelerate: 'auto', or a JSON file mapping module "
+                            "names to devices (0, 'cpu', 'disk'); see the README")
         p.add_argument("--remote", nargs="?", const="ndif", choices=["ndif", "local"], default=None,
                        help="not supported: deltalang's values cannot run on an NDIF server (refused with the reason)")
         if name in ("run", "sweep"):
@@ -423,8 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--naive", action="store_true", help="run every cell as a full forward (the reference)")
             p.add_argument("--attribution", action="store_true", help="estimate every cell from gradients")
             p.add_argument("--steps", type=int, default=None, help="attribution: points of the path (0: plain)")
-            p.add_argument("--refine", type=int, default=0, help="attribution: run the top K cells exactly")
-            p.add_argument("--path", default="blocks", choices=("blocks", "outputs", "embeddings"), help="attribution path")
+            p.add_argument("--refine", type=int, default=None, help="attribution: run the top K cells exactly")
+            p.add_argument("--path", default=None, choices=("blocks", "outputs", "embeddings"), help="attribution path")
         elif name == "emit":
             p.add_argument("--plan", action="store_true", help="print the plan instead of the code")
         p.set_defaults(func=func)

@@ -46,7 +46,7 @@ def get_model(model: Any = None, *, device: str = "cpu", dtype: Any = None,
     """A loaded model: `model` itself, or a path / hub id / None (bundled), loaded once per process."""
     if isinstance(model, DeltaModel):
         return model
-    key = (str(model) if model is not None else None, device, str(dtype), trust_remote_code, device_map)
+    key = (str(model) if model is not None else None, device, str(dtype), trust_remote_code, repr(device_map))
     if key not in _MODELS:
         _MODELS[key] = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
                                   device_map=device_map)

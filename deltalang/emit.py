@@ -17,11 +17,13 @@ so a runtime error can be reported against the program.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from . import measures
 from .errors import Span
-from .ir import FromRun, Mean, Named, Scale, Zeros
+from .ir import HEAD_AXIS, Arith, Const, Donor, FromRun, Load, Mean, Named, Scale, Steer, Zeros, expr_atoms
 from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan
 from .version import __version__
 
@@ -63,8 +65,15 @@ def _tail(tail: int | None) -> str:
     return "" if tail is None else f"[:, -{tail}:]"
 
 
+def head_index(value: str, head: int | None) -> str:
+    """`[:, 3]` or `[:, :, 3]`: one value head's slice of a value (its head axis is `HEAD_AXIS[value]`)."""
+    return "" if head is None else "[" + ":, " * HEAD_AXIS.get(value, 2) + f"{head}]"  # states_as_run: 2
+
+
 def read_expr(op: PlanOp, tracer: str = "tracer", tail: int | None = None) -> str:
     """The expression that reads `op`'s site inside a trace (`tail`: the run's tokens, if it is padded)."""
+    if op.head is not None:
+        return read_expr(attrs.evolve(op, head=None), tracer, tail) + head_index(op.value, op.head)
     if op.layer is None:
         if op.value == "tokens":
             return f"{tracer}.result"
@@ -99,7 +108,74 @@ def source_expr(op: PlanOp, tail: int | None = None) -> str:
         return f"{read_expr(op, tail=tail)} * {src.factor!r}"
     if isinstance(src, (FromRun, Named, Mean)):
         return f"results[{op.donor_key!r}]"
+    if isinstance(src, (Steer, Load)):
+        value = operand_expr(src.expr if isinstance(src, Steer) else src, op, tail)
+        if isinstance(src, Steer) and src.add:  # `+=`: added to the value the forward computed
+            return f"{read_expr(op, tail=tail)} + " + (f"({value})" if isinstance(src.expr, Arith) else value)
+        return value
     raise AssertionError(f"unknown write source {src!r}")
+
+
+def loaded_key(src: Load) -> str:
+    """Where the emitted code keeps a loaded tensor: `direction.safetensors:key`."""
+    return f"{src.shown}:{src.key}"
+
+
+def operand_expr(e: Any, op: PlanOp, tail: int | None, outer: int = 0, right: bool = False) -> str:
+    """An operand of a write's arithmetic as Python: `results[...]` for a value from elsewhere, a loaded
+    tensor cast to the written value's dtype and device and shaped as it, zeros, a number, `a - b`."""
+    if isinstance(e, Arith):
+        prec = 2 if e.op == "*" else 1
+        text = f"{operand_expr(e.left, op, tail, prec)} {e.op} {operand_expr(e.right, op, tail, prec, True)}"
+        return f"({text})" if prec < outer or (right and prec == outer) else text
+    if isinstance(e, Const):
+        return repr(e.value)
+    if isinstance(e, Donor):
+        return f"results[{e.key!r}]"
+    if isinstance(e, Zeros):
+        return f"torch.zeros_like({read_expr(op, tail=tail)})"
+    if isinstance(e, Load):
+        site = read_expr(op, tail=tail)
+        return f"loaded[{loaded_key(e)!r}].to({site}).reshape({site}.shape)"
+    raise AssertionError(f"unknown operand {e!r}")
+
+
+def emit_loads(w: _Writer, plan: Plan) -> None:
+    """`loaded = {...}`: the program's `load(...)` tensors, read once by safetensors (no pickle, no code)."""
+    loads: dict[str, Load] = {}
+    for p in plan.passes:
+        for r in p.runs:
+            for op in r.ops:
+                src = op.source
+                for a in expr_atoms(src.expr) if isinstance(src, Steer) else [src]:
+                    if isinstance(a, Load):
+                        loads.setdefault(loaded_key(a), a)
+    if not loads:
+        return
+    w.add(1, "loaded = {  # load(...): safetensors files, relative to the program")
+    for key, a in loads.items():
+        w.add(2, f"{key!r}: safetensors.torch.load_file({a.path!r})[{a.key!r}],")
+    w.add(1, "}")
+
+
+def emit_head_write(w: _Writer, op: PlanOp, depth: int, note: str) -> None:
+    """A write of one head: the whole value, that head's slice replaced, written back (the others unchanged)."""
+    whole = attrs.evolve(op, head=None)
+    part = "_whole" + head_index(op.value, op.head)
+    src = op.source
+    if isinstance(src, Zeros):
+        value = f"torch.zeros_like({part})"
+    elif isinstance(src, Scale):
+        value = f"{part} * {src.factor!r}"
+    elif isinstance(src, FromRun):  # the donor's whole value was read: take its head
+        value = f"results[{op.donor_key!r}]" + head_index(src.value, src.head)
+    elif isinstance(src, Mean):
+        value = f"results[{op.donor_key!r}]" + head_index(op.value, op.head)
+    else:
+        raise AssertionError(f"a write of one head from {src!r}")
+    w.add(depth, f"_whole = {read_expr(whole)}.clone()", op.span, note)
+    w.add(depth, f"{part} = {value}", op.span, f"head {op.head} only")
+    w.add(depth, write_stmt(whole, "_whole"), op.span)
 
 
 def _token_note(run: RunPlan, op: PlanOp, tokens: dict[str, tuple[str, ...]]) -> str:
@@ -117,6 +193,8 @@ def emit_ops(w: _Writer, run: RunPlan, ops: list[PlanOp], depth: int,
             if op.value == "tokens":
                 continue  # read after the generate loop
             w.add(depth, f"results[{op.key!r}] = {read_expr(op, tail=tail)}.save()", op.span, note)
+        elif op.head is not None:
+            emit_head_write(w, op, depth, note)
         else:
             w.add(depth, write_stmt(op, source_expr(op, tail), tail), op.span, note)
 
@@ -176,8 +254,14 @@ def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tu
     if p.kind == "generate":
         run = p.runs[0]
         n = run.max_new_tokens
+        s = run.sampling
+        how = "do_sample=False"
+        if s is not None:  # the tempered, top-p distribution itself: no top-k cut (transformers' default 50)
+            how = f"do_sample=True, temperature={s.temperature or 1.0!r}, top_p={s.top_p or 1.0!r}, top_k=0"
+            if s.seed is not None:
+                w.add(depth, f"torch.manual_seed({s.seed})", note="the seed: the same tokens on every run")
         w.add(depth, f"with torch.no_grad(), model.generate({_prompt_ref(run, prompts)}, max_new_tokens={n}, "
-                     f"min_new_tokens={n}, do_sample=False) as tracer:")
+                     f"min_new_tokens={n}, {how}) as tracer:")
         emit_run_body(w, run, depth + 1, tokens)
     elif len(p.runs) == 1:
         run = p.runs[0]
@@ -224,6 +308,9 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.add(0, "")
     w.add(0, "import deltalang")
     w.add(0, "from deltalang import measures")
+    if any(isinstance(a, Load) for p in plan.passes for r in p.runs for op in r.ops
+           for a in (expr_atoms(op.source.expr) if isinstance(op.source, Steer) else [op.source])):
+        w.add(0, "import safetensors.torch")
     w.add(0, "")
     w.add(0, f"MODEL = {model_id!r}  # None: the bundled model")
     w.add(0, "PROMPTS = {")
@@ -234,6 +321,7 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.blank()
     w.add(0, "def experiment(model):")
     w.add(1, "results = {}")
+    emit_loads(w, plan)
     for p in plan.passes:
         emit_pass(w, p, prompts, tokens)
         for c in p.then:
@@ -242,7 +330,13 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     for run, m in plan.measures:
         keys = plan.inputs[m.result_name]  # the run's own input, then (kl) the other run's logits
         reference = f"results[{keys[1]!r}]" if m.kind == "kl" else None
-        args = [f"results[{keys[0]!r}]", *map(str, measures.arguments(m.kind, m.token_ids, reference))]
+        if m.at is not None:  # `at POS`: the logits of that position, counted from the run's last
+            own = {r.name: len(r.token_ids) for r in resolved.runs}
+            reference = reference and f"{reference}[:, {(m.against_at or 0) - own.get(m.against or '', 0)}]"
+            args = [f"results[{keys[0]!r}][:, {m.at - own[run]}]",
+                    *map(str, measures.arguments(m.kind, m.token_ids, reference))]
+        else:
+            args = [f"results[{keys[0]!r}]", *map(str, measures.arguments(m.kind, m.token_ids, reference))]
         if m.forced:  # each answer's every token, then (logit_diff) the logits of the second answer's run
             args = [f"results[{keys[0]!r}]", *map(str, m.answers)] + [f"results[{k!r}]" for k in keys[1:]]
         w.add(1, f"results[{m.result_name!r}] = measures.{m.kind}({', '.join(args)})", m.span,

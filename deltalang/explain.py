@@ -69,7 +69,8 @@ def format_run_header(run: ResolvedRun) -> str:
     n = len(run.token_ids)
     head = f"{run.kind} {run.name} on {run.prompt} ({n} token{'s' if n != 1 else ''})"
     if run.max_new_tokens is not None:
-        head += f", max_new_tokens {run.max_new_tokens}"
+        head += f", max_new_tokens {run.max_new_tokens}" + (
+            f", sampling:{ast.format_sampling(run.sampling)}" if run.sampling is not None else "")
     if run.route is not None:
         head += f", route {run.route}"
     if run.implicit:
@@ -78,6 +79,8 @@ def format_run_header(run: ResolvedRun) -> str:
     for a in run.axes:
         if a.kind == "block":
             head += f"\n  over {a.var} in " + " ".join(f"L{b}" for b in a.values)
+        elif a.kind == "head":
+            head += f"\n  over {a.var} in heads " + " ".join(map(str, a.values))
         else:
             cells = " ".join(f"{p}{token_note(run.tokens, p)}" for p in a.values)
             contiguous = list(a.labels) == list(range(a.labels[0], a.labels[0] + len(a.labels)))
@@ -125,11 +128,13 @@ def format_measure(m: ResolvedMeasure, run: ResolvedRun, spec: ModelSpec) -> str
     if m.forced:
         extra = " -> " + ", ".join(f"tokens {list(a)} {spec.tokenizer.convert_ids_to_tokens(list(a))}"
                                    for a in m.answers) + " (teacher forcing: sum of log-probabilities)"
-    elif m.token_ids:
+    elif m.token_ids and m.kind != "top":
         spelled = spec.tokenizer.convert_ids_to_tokens(list(m.token_ids))
         extra = " -> " + ", ".join(f"token {i} ({s!r})" for i, s in zip(m.token_ids, spelled, strict=True))
     elif m.kind == "norm" and m.position is not None and m.position_var is None:
         extra = f" -> position {m.position}{token_note(run.tokens, m.position)}"
+    if m.at is not None:  # `measure ... at POS`: the logits of that position
+        extra += f", the logits of position {m.at}{token_note(run.tokens, m.at)}"
     return f"{step}measure {m.written}{extra} as {m.result_name}"
 
 
@@ -166,6 +171,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"pass {p.index}: one {what}, {len(p.runs)} invoke(s){route}{padded}")
         for r in p.runs:
             extra = f", max_new_tokens {r.max_new_tokens}" if r.kind == "generate" else ""
+            if r.sampling is not None:
+                extra += f", sampling:{ast.format_sampling(r.sampling)}"
             if p.padded:
                 extra += f" ({r.n_tokens} tokens)"
             why = f"  (implicit: {r.why or 'a clean run for ' + r.name})" if r.implicit else ""

@@ -39,6 +39,8 @@ class FromRun:
     layer_var: str | None = None  # sweep templates: the block is this variable's
     position_var: str | None = None  # sweep templates: the position is this variable's
     position_map: tuple[tuple[int, int], ...] = ()  # with position_var: (target position, donor position)
+    head: int | None = None  # a write of one head: the donor's head it takes (the donor reads the whole value)
+    head_var: str | None = None  # sweep templates: the donor's head is this variable's
 
 
 @attrs.frozen
@@ -68,9 +70,94 @@ class Mean:
     prompts: tuple[str, ...]  # the names as written (prompts or prompt lists)
     texts: tuple[str, ...]  # every prompt text, lists flattened
     positions: tuple[int, ...] | None = None  # the position in each text; None for values without one
+    position_var: str | None = None  # sweep templates: the write's position is this variable's
+    position_map: tuple[tuple[int, tuple[int, ...]], ...] = ()  # with position_var: (position, each text's)
 
 
-WriteSource = Union[FromRun, Zeros, Named, Scale, Mean]
+@attrs.frozen
+class Load:
+    """Write a tensor from a safetensors file (`path` absolute), cast to the value's dtype and device."""
+
+    path: str
+    key: str
+    shown: str  # the path as written
+
+
+@attrs.frozen
+class Const:
+    """A number in a source's arithmetic."""
+
+    value: float
+
+
+@attrs.frozen
+class Donor:
+    """The planner's form of an operand taken from elsewhere: the results key that holds it."""
+
+    key: str
+
+
+@attrs.frozen
+class Arith:
+    """`LEFT OP RIGHT` over operands (`+`, `-`, `*`)."""
+
+    op: str
+    left: Any
+    right: Any
+
+
+@attrs.frozen
+class Steer:
+    """`= EXPR` or `+= EXPR` (added to the value the forward computed): arithmetic over sources."""
+
+    expr: Any  # Arith | Const | FromRun | Zeros | Named | Mean | Load | Donor
+    add: bool = False
+
+
+def expr_atoms(e: Any) -> list[Any]:
+    """The operands of an expression, left to right."""
+    return expr_atoms(e.left) + expr_atoms(e.right) if isinstance(e, Arith) else [e]
+
+
+def map_atoms(e: Any, fn: Callable[[Any], Any]) -> Any:
+    """The expression with each operand replaced by `fn(operand)`."""
+    if isinstance(e, Arith):
+        return Arith(e.op, map_atoms(e.left, fn), map_atoms(e.right, fn))
+    return fn(e)
+
+
+WriteSource = Union[FromRun, Zeros, Named, Scale, Mean, Load, Steer]
+
+
+def operand_ops(ops: Sequence["ResolvedOp"]) -> Iterator["ResolvedOp"]:
+    """The ops, each write with arithmetic preceded by one op of kind "operand" per operand (its source the
+    operand), so the planner finds every operand's value as it finds a plain source's (`with_donors`)."""
+    for op in ops:
+        if op.kind == "write" and isinstance(op.source, Steer):
+            for a in expr_atoms(op.source.expr):
+                yield attrs.evolve(op, kind="operand", source=a)
+        yield op
+
+
+def with_donors(src: Any, keys: list[str | None]) -> Any:
+    """An arithmetic source with each operand the planner found a results key for (`keys`, in operand order,
+    consumed) made a `Donor`; any other source unchanged."""
+    if not isinstance(src, Steer):
+        return src
+    found = keys[:len(expr_atoms(src.expr))]
+    del keys[:len(found)]
+    it = iter(found)
+    return attrs.evolve(src, expr=map_atoms(src.expr, lambda a: (lambda k: a if k is None else Donor(k))(next(it))))
+
+
+def logits_kept(measures: Sequence[tuple[str, "ResolvedMeasure"]], n_tokens: Mapping[str, int]) -> dict[str, int]:
+    """Run -> how many last positions of logits its measures `at POS` (and a kl's other run) read."""
+    kept: dict[str, int] = {}
+    for run, m in measures:
+        for name, at in ((run, m.at), (m.against, m.against_at)):
+            if at is not None and name is not None:
+                kept[name] = max(kept.get(name, 1), n_tokens[name] - at)
+    return kept
 
 
 @attrs.frozen
@@ -88,7 +175,15 @@ class ResolvedOp:
     alias: str | None = None  # the `as NAME` of a read
     layer_var: str | None = None  # sweep templates: the block is this variable's
     position_var: str | None = None  # sweep templates: the position is this variable's
+    head: int | None = None  # `.head(h)`: one value head's slice (axis HEAD_AXIS[value]); None: the whole value
+    head_var: str | None = None  # sweep templates: the head is this variable's
     span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
+
+
+# the values with a value-head axis, and which axis it is (`.head(h)` slices it)
+HEAD_AXIS: dict[str, int] = {"state_input": 1, "state_after": 1, "state_output": 1, "states": 2,
+                             "attention_queries": 2, "attention_keys": 2, "attention_values": 2, "decays": 2,
+                             "betas": 2, "attention_head_outputs": 2}
 
 
 @attrs.frozen
@@ -110,6 +205,8 @@ class ResolvedMeasure:
     position_var: str | None = None
     span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
     answers: tuple[tuple[int, ...], ...] = ()  # prob/logit_diff: each answer's every token
+    at: int | None = None  # `at POS`: the position whose logits are measured (None: the last)
+    against_at: int | None = None  # kl `at POS`: the position of the other run's logits
 
     @property
     def forced(self) -> bool:
@@ -122,8 +219,8 @@ class SweepAxis:
     """One axis of a sweep: a variable over blocks or over positions."""
 
     var: str
-    kind: str  # "block" | "position"
-    values: tuple[int, ...]  # block indices, or positions resolved in the sweep's prompt
+    kind: str  # "block" | "position" | "head"
+    values: tuple[int, ...]  # block indices, positions resolved in the sweep's prompt, or head indices
     labels: tuple[int, ...]  # the values as written (a range's numbers may be negative)
     span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
 
@@ -145,6 +242,8 @@ class ResolvedRun:
     route: str | None = None  # None | "torch" | "default"
     axes: tuple[SweepAxis, ...] = ()
     span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
+    method: ast.SweepMethod | None = None  # a sweep's `method ...` as written (None: exact)
+    sampling: ast.Sampling | None = None  # a generate's `temperature/top_p/seed` (None: greedy)
 
     def points(self) -> Iterator[dict[str, int]]:
         """Every point of a sweep: {variable: block index or resolved position}."""
@@ -158,7 +257,7 @@ class ResolvedRun:
         name = f"{self.name}[{label}]"
         ops = tuple(_bind_op(op, binding, name) for op in self.ops)
         measures = tuple(_bind_measure(m, binding, name) for m in self.measures)
-        return attrs.evolve(self, name=name, kind="trace", ops=ops, measures=measures, axes=())
+        return attrs.evolve(self, name=name, kind="trace", ops=ops, measures=measures, axes=(), method=None)
 
 
 @attrs.frozen
@@ -193,21 +292,23 @@ class Resolved:
 # ---- naming -----------------------------------------------------------------------
 
 
-def site_text(layer: int | None, value: str, position: Any, layer_var: str | None = None) -> str:
-    """`L0.state_after(3)`, `next_token_probs`; a sweep variable's block as `L{L}`."""
+def site_text(layer: int | None, value: str, position: Any, layer_var: str | None = None, head: Any = None) -> str:
+    """`L0.state_after(3)`, `next_token_probs`, `L1.states.head(2)`; a sweep variable's block as `L{L}`."""
     text = value if position is None else f"{value}({position})"
+    if head is not None:
+        text += f".head({head})"
     if layer_var is not None:
         return f"L{{{layer_var}}}.{text}"
     return text if layer is None else f"L{layer}.{text}"
 
 
 def op_result_name(run: str, step: int | None, layer: int | None, value: str, position: Any,
-                   alias: str | None, multi: bool, layer_var: str | None = None) -> str:
-    """DESIGN's naming: `NAME`, `NAME.L<i>`, `RUN.L<i>.VALUE`, `RUN.step<k>.L<i>.VALUE`."""
+                   alias: str | None, multi: bool, layer_var: str | None = None, head: Any = None) -> str:
+    """DESIGN's naming: `NAME`, `NAME.L<i>`, `RUN.L<i>.VALUE`, `RUN.step<k>.L<i>.VALUE` (`.head(h)` after it)."""
     if alias is not None:
         return f"{alias}.L{layer}" if multi else alias
     prefix = run if step is None else f"{run}.step{step}"
-    return f"{prefix}.{site_text(layer, value, position, layer_var)}"
+    return f"{prefix}.{site_text(layer, value, position, layer_var, head)}"
 
 
 def measure_call_text(kind: str, texts: Sequence[str], against: str | None, site: str) -> str:
@@ -218,6 +319,8 @@ def measure_call_text(kind: str, texts: Sequence[str], against: str | None, site
         return f"logit_diff({ast.quote(texts[0])}, {ast.quote(texts[1])})"
     if kind == "kl":
         return f"kl({against})"
+    if kind == "top":
+        return f"top({texts[0]})"
     return f"norm({site})"
 
 
@@ -257,6 +360,12 @@ def format_source(src: WriteSource | None, runs: Sequence[ResolvedRun] = (), *, 
         return "= zeros"
     if isinstance(src, Scale):
         return f"*= {number(src.factor)}"
+    if isinstance(src, Steer):
+        return ("+= " if src.add else "= ") + _format_expr(src.expr, runs, number)
+    if isinstance(src, Load):
+        return f"= load({ast.quote(src.shown)}, {ast.quote(src.key)})"
+    if isinstance(src, Donor):
+        return f"= {src.key}"
     if donor_key is not None and isinstance(src, (FromRun, Named, Mean)):
         return f"= {donor_key}"
     if isinstance(src, FromRun):
@@ -269,6 +378,8 @@ def format_source(src: WriteSource | None, runs: Sequence[ResolvedRun] = (), *, 
         elif layer is not None:
             text += f"L{layer}."
         text += src.value if pos is None else f"{src.value}({pos})"
+        if src.head is not None or src.head_var is not None:
+            text += f".head({src.head if src.head_var is None else '{' + src.head_var + '}'})"
         if donor is not None and src.position is not None:
             text += token_note(donor.tokens, src.position)
         if src.position_map:
@@ -279,22 +390,52 @@ def format_source(src: WriteSource | None, runs: Sequence[ResolvedRun] = (), *, 
     if isinstance(src, Mean):
         n = len(src.texts)
         where = "" if not src.positions else ", positions " + " ".join(str(p) for p in src.positions)
+        if src.position_map:  # a sweep's position: each prompt's position at each of its values
+            where = f", at {src.position_var}: " + "; ".join(f"{v} -> {' '.join(map(str, ps))}"
+                                                             for v, ps in src.position_map)
         return f"= mean({', '.join(src.prompts)}: {n} prompt{'s' if n != 1 else ''}{where})"
     return "?"
+
+
+def _format_expr(e: Any, runs: Sequence[ResolvedRun], number: Callable[[float], str], outer: int = 0,
+                 right: bool = False) -> str:
+    """An expression source as `check` and `emit --plan` print it, each operand spelled by `format_source`."""
+    if isinstance(e, Arith):
+        prec = 2 if e.op == "*" else 1
+        text = (f"{_format_expr(e.left, runs, number, prec)} {e.op} "
+                f"{_format_expr(e.right, runs, number, prec, True)}")
+        return f"({text})" if prec < outer or (right and prec == outer) else text
+    if isinstance(e, Const):
+        return number(e.value)
+    text = format_source(e, runs, number=number)
+    return text[2:] if text.startswith("= ") else text  # `from RUN...` keeps its word
+
+
+def _bind_source(src: Any, b: Mapping[str, int]) -> Any:
+    """A source (or an operand of one) at one point of a sweep: its block and positions made concrete."""
+    if isinstance(src, FromRun):
+        return attrs.evolve(src, layer=b[src.layer_var] if src.layer_var else src.layer,
+                            position=dict(src.position_map)[b[src.position_var]] if src.position_var
+                            else src.position, layer_var=None, position_var=None, position_map=(),
+                            head=b[src.head_var] if src.head_var else src.head, head_var=None)
+    if isinstance(src, Mean) and src.position_var is not None:
+        return attrs.evolve(src, positions=dict(src.position_map)[b[src.position_var]], position_var=None,
+                            position_map=())
+    return src
 
 
 def _bind_op(op: ResolvedOp, b: Mapping[str, int], run: str) -> ResolvedOp:
     layer = b[op.layer_var] if op.layer_var is not None else op.layer
     pos = b[op.position_var] if op.position_var is not None else op.position
+    head = b[op.head_var] if op.head_var is not None else op.head
     src = op.source
-    if isinstance(src, FromRun):
-        src = attrs.evolve(src, layer=b[src.layer_var] if src.layer_var else src.layer,
-                           position=dict(src.position_map)[b[src.position_var]] if src.position_var
-                           else src.position, layer_var=None, position_var=None, position_map=())
+    if isinstance(src, Steer):
+        src = attrs.evolve(src, expr=map_atoms(src.expr, lambda a: _bind_source(a, b)))
+    src = _bind_source(src, b)
     name = None
     if op.result_name is not None:
         multi = op.alias is not None and op.result_name != op.alias
-        name = op_result_name(run, op.step, layer, op.value, pos, op.alias, multi)
+        name = op_result_name(run, op.step, layer, op.value, pos, op.alias, multi, head=head)
         if op.alias is not None:
             name = f"{run}.{name}"  # one result per point of the sweep
     written = op.written
@@ -302,8 +443,10 @@ def _bind_op(op: ResolvedOp, b: Mapping[str, int], run: str) -> ResolvedOp:
         written = written.replace(f"{op.layer_var}.", f"L{layer}.", 1)
     if op.position_var is not None:
         written = written.replace(f"({op.position_var})", f"({pos})", 1)
+    if op.head_var is not None:
+        written = written.replace(f".head({op.head_var})", f".head({head})", 1)
     return attrs.evolve(op, layer=layer, position=pos, source=src, result_name=name, written=written,
-                        layer_var=None, position_var=None)
+                        layer_var=None, position_var=None, head=head, head_var=None)
 
 
 def _bind_measure(m: ResolvedMeasure, b: Mapping[str, int], run: str) -> ResolvedMeasure:

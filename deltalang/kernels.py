@@ -1,4 +1,7 @@
-"""The delta-rule kernels under the values: routing, chunk splitting, per-token states.
+"""The delta-rule kernels under the values: routing, chunk splitting, the site registry.
+
+The delta rule itself (every token's state, one token's read) is `deltalang.deltarule`;
+its names are re-exported here (`kernels.per_token`, `kernels.read_state`, ...).
 
 transformers calls a family's kernels as globals of its modeling module
 (`torch_chunk_gated_delta_rule` for a prompt, `torch_recurrent_gated_delta_rule`
@@ -43,6 +46,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from . import backends, families
+from .deltarule import CHUNK, per_token, per_token_loop, prepare, read_state  # noqa: F401  (the delta rule itself)
 from .errors import DeltaValueError
 
 ROUTES = ("default", "torch")
@@ -271,8 +275,9 @@ def token_by_token(fam: families.Family) -> Callable[..., Any]:
                    beta: torch.Tensor, initial_state: torch.Tensor | None = None,
                    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                    **_: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-            out, states = per_token(fam, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel)
-            return out, (states[:, -1] if output_final_state else None)
+            out, final = per_token(fam, query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel,
+                                   final_state=True)
+            return out, (final if output_final_state else None)
 
         kernel.__name__ = f"deltalang_token_by_token_{fam.name}"
         _TOKEN_KERNELS[fam.name] = kernel
@@ -337,146 +342,3 @@ def _packed(run: Callable[..., Any], impl: backends.Backend, args: tuple, kwargs
     if run is impl.compiled and impl.reference is not None:  # FLA keeps the sequences apart itself
         return run(*args, cu_seqlens=cu, **kwargs)
     return backends.per_sequence(run, cu, *args, **kwargs)
-
-
-# --------------------------------------------------------------------------
-# The delta rule itself, for what transformers' kernels do not give: the
-# state after every token, and one token's read of a replaced state.
-# --------------------------------------------------------------------------
-
-
-def prepare(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            g: torch.Tensor, beta: torch.Tensor, use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
-    """The kernel's own preprocessing: float32, heads first, l2-norm, 1/sqrt(dk), repeated heads.
-
-    Returns q, k, v `[b, h, s, d]`, g `[b, h, s]` (Kimi: `[b, h, s, dk]`), beta `[b, h, s]`.
-    """
-    heads = value.shape[-2]
-    if key.shape[-2] != heads:
-        rep = heads // key.shape[-2]
-        query = query.repeat_interleave(rep, dim=2)
-        key = key.repeat_interleave(rep, dim=2)
-    # contiguous, so that a slice of the sequence reduces in the same order as the whole
-    q, k, v, b_, gg = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (query, key, value, beta, g))
-    return _read_query(fam, q, use_qk_l2norm), _normed(fam, k, use_qk_l2norm), v, gg, b_
-
-
-def _normed(fam: families.Family, x: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
-    """A float32 query or key as the kernel normalises it: l2-norm over key_dim, when it asks for it."""
-    return getattr(fam.module, "l2norm")(x, dim=-1, eps=1e-6) if use_qk_l2norm else x
-
-
-def _read_query(fam: families.Family, q: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
-    """A float32 query, heads repeated, as the kernel reads the state with it: normalised, times 1/sqrt(dk)."""
-    q = _normed(fam, q, use_qk_l2norm)
-    return q * (q.shape[-1] ** -0.5)
-
-
-def _start_state(initial_state: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The state a delta-rule call starts from, float32: `initial_state`, or zeros of `shape`."""
-    if initial_state is None:
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    return initial_state.to(torch.float32)
-
-
-# chunk length of the chunked `per_token`: materialising the states costs s * CHUNK * dk * dv
-# multiply-adds per head, the scan over chunks s / CHUNK sequential steps
-CHUNK = 16
-
-
-def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
-              use_qk_l2norm: bool, chunk_size: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule keeping every state, in chunks: batched matrix products, a loop over chunks only.
-
-    Within a chunk starting from state S0, with cumulative log decay G_t from the chunk's start
-    (per key channel for Kimi), S_t = exp(G_t) * S0 + sum_{j<=t} exp(G_t - G_j) * k_j^T u_j, where
-    the corrections u (the delta rule's `beta * (v - k S)`) solve one unit-lower-triangular system
-    per chunk (the UT form transformers' chunked kernel uses). Equal to `per_token_loop` within
-    float32 noise.
-
-    Returns (outputs `[b, s, h, dv]` in the query dtype, states `[b, s, h, dk, dv]` float32).
-    """
-    q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
-    b, h, s, dk = k.shape
-    dv = v.shape[-1]
-    S = _start_state(initial_state, (b, h, dk, dv), v.device)
-    if gg.dim() == 3:  # one decay per head: a channel axis of one
-        gg = gg[..., None]
-    C = chunk_size
-    pad = (-s) % C
-    n = (s + pad) // C
-    # padding: zero keys and betas write nothing, zero log decay keeps the state
-    q, k, v, gg = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b, h, n, C, -1) for x in (q, k, v, gg))
-    bb = torch.nn.functional.pad(bb, (0, pad)).reshape(b, h, n, C, 1)
-    cum = gg.cumsum(dim=3)  # [b, h, n, C, 1 or dk]
-    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
-    # kd[t, j, a] = exp(G_t - G_j)[a] * k_j[a] for j <= t, else 0: [b, h, n, C, C, dk]
-    kd = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
-    kd = kd * k[..., None, :, :]
-    system = (kd @ (k * bb)[..., None])[..., 0]  # beta_t k_t . kd[t, j]; the diagonal is not read
-    u0 = torch.linalg.solve_triangular(system, v * bb, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k * bb * cum.exp(), upper=False, unitriangular=True)
-    last = cum[..., -1:, :]  # [b, h, n, 1, 1 or dk]
-    k_last = k * (last - cum).exp()
-    starts = torch.empty(b, h, n, dk, dv, dtype=torch.float32, device=v.device)
-    u = torch.empty(b, h, n, C, dv, dtype=torch.float32, device=v.device)
-    for i in range(n):  # the scan over chunks: each chunk's starting state and corrections
-        starts[:, :, i] = S
-        u[:, :, i] = u0[:, :, i] - w[:, :, i] @ S
-        S = last[:, :, i, 0, :, None].exp() * S + k_last[:, :, i].transpose(-1, -2) @ u[:, :, i]
-    return _chunk_reads(q, kd, cum, starts, u, s, query.dtype)
-
-
-def _chunk_reads(q: torch.Tensor, kd: torch.Tensor, cum: torch.Tensor, starts: torch.Tensor,
-                 u: torch.Tensor, s: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every state of every chunk and every token's read of it, as batched products (see `per_token`)."""
-    b, h, n, C, dk = kd.shape[0], kd.shape[1], kd.shape[2], kd.shape[3], kd.shape[-1]
-    dv = u.shape[-1]
-    # out_t = (q_t * exp(G_t)) S0 + sum_j (q_t . kd[t, j]) u_j
-    intra = (kd @ q[..., None])[..., 0]  # [b, h, n, C, C]
-    out = (q * cum.exp()) @ starts + intra @ u
-    out = out.reshape(b, h, n * C, dv)[:, :, :s].transpose(1, 2).to(dtype)
-    # states[t] = kd[t]^T u + exp(G_t) * S0, computed straight into the `[b, s, h, dk, dv]` layout
-    kd_t = kd.permute(0, 2, 3, 1, 5, 4)  # [b, n, C(t), h, dk, C(j)]
-    states = torch.matmul(kd_t, u.permute(0, 2, 1, 3, 4)[:, :, None])  # [b, n, C, h, dk, dv]
-    states.addcmul_(cum.exp().permute(0, 2, 3, 1, 4)[..., None], starts.permute(0, 2, 1, 3, 4)[:, :, None])
-    return out, states.reshape(b, n * C, h, dk, dv)[:, :s]
-
-
-def per_token_loop(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
-                   use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule token by token, the plain statement of the math `per_token` computes in chunks.
-
-    Slow (a Python loop over tokens); kept as the tests' statement of the recurrence.
-    Returns (outputs `[b, s, h, dv]` in the query dtype, states `[b, s, h, dk, dv]` float32).
-    """
-    q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
-    b, h, s, dk = k.shape
-    dv = v.shape[-1]
-    S = _start_state(initial_state, (b, h, dk, dv), v.device)
-    states = torch.empty(b, s, h, dk, dv, dtype=torch.float32, device=v.device)
-    out = torch.empty(b, h, s, dv, dtype=torch.float32, device=v.device)
-    decay = gg.exp()
-    for t in range(s):
-        if decay.dim() == 4:  # per key channel (Kimi)
-            S = S * decay[:, :, t, :, None]
-        else:
-            S = S * decay[:, :, t, None, None]
-        kt = k[:, :, t, None, :]  # [b, h, 1, dk]
-        delta = (v[:, :, t, None, :] - kt @ S) * bb[:, :, t, None, None]  # [b, h, 1, dv]
-        S = S + kt.transpose(-1, -2) @ delta
-        out[:, :, t] = (q[:, :, t, None, :] @ S)[:, :, 0]
-        states[:, t] = S
-    return out.transpose(1, 2).to(query.dtype), states
-
-
-def read_state(fam: families.Family, query_t: torch.Tensor, state: torch.Tensor, heads: int,
-               use_qk_l2norm: bool) -> torch.Tensor:
-    """One token's read of a state: `q_t @ S`, as the kernel computes it. query_t `[b, hk, dk]`."""
-    q = query_t.to(torch.float32)
-    if q.shape[-2] != heads:
-        q = q.repeat_interleave(heads // q.shape[-2], dim=1)
-    q = _read_query(fam, q, use_qk_l2norm)
-    return (q[:, :, None, :] @ state.to(torch.float32))[:, :, 0].to(query_t.dtype)

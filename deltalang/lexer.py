@@ -27,10 +27,10 @@ from . import values
 
 # the parser's keywords and measures (tests/test_lexer.py checks these against deltalang.parse)
 KEYWORDS = ("read", "write", "measure", "route", "step", "trace", "generate", "sweep", "prompt", "prompts",
-            "dataset", "model", "on", "over", "in", "max_new_tokens", "as", "from")
-MEASURES = ("prob", "logit_diff", "kl", "norm", "rank")
+            "dataset", "model", "on", "over", "in", "max_new_tokens", "as", "from", "at")
+MEASURES = ("prob", "logit_diff", "kl", "norm", "rank", "top")
 # what a write's source may call or name, and the kernels `route` picks
-SOURCES = ("mean", "zeros")
+SOURCES = ("mean", "zeros", "load")
 KERNELS = ("torch", "default")
 # the values a site reads or writes: the DeltaNet catalogue and the model's own
 VALUE_NAMES = tuple(values.CATALOGUE) + tuple(values.MODEL_VALUES)

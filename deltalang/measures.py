@@ -2,6 +2,8 @@
 
 Each takes the next-token logits `[b, s, vocab]` (or `[b, vocab]`) of a run and
 returns a float per prompt (a plain float for one prompt); `norm` takes a read value.
+`top(logits, k)` is the one measure that is not a number: a `TopK` (the k most likely
+next tokens' ids and probabilities, `[b, k]` each, most likely first).
 
 The one dispatch from a measure's kind to its function and arguments: `arguments()`
 (the token ids or the reference run's logits after the run's own input), used both
@@ -92,9 +94,38 @@ def norm(x: torch.Tensor | None) -> float | torch.Tensor:
     return _scalar(x.flatten(1).norm(dim=-1))
 
 
-KINDS = {"prob": prob, "rank": rank, "logit_diff": logit_diff, "kl": kl, "norm": norm}
-LOGIT_KINDS = ("prob", "rank", "logit_diff", "kl")  # the measures of next-token logits
-_TOKENS = {"prob": 1, "rank": 1, "logit_diff": 2}  # how many token ids each kind takes
+class TopK:
+    """What `top(k)` measures: the k most likely next tokens, `ids` (int64) and `probs` (float32), each
+    `[b, k]`, most likely first (ties: the lower id first, as `torch.topk` on CPU gives no such promise)."""
+
+    def __init__(self, ids: torch.Tensor, probs: torch.Tensor) -> None:
+        self.ids, self.probs = ids, probs
+
+    @property
+    def k(self) -> int:
+        return int(self.ids.shape[-1])
+
+    def rows(self) -> list[list[tuple[int, float]]]:
+        """Per prompt: [(token id, probability), ...], most likely first."""
+        return [list(zip(i, p)) for i, p in zip(self.ids.tolist(), self.probs.tolist())]
+
+    def __repr__(self) -> str:
+        return f"TopK({self.rows()!r})"
+
+
+def top(logits: torch.Tensor, k: int) -> TopK:
+    """The `k` most likely next tokens and their probabilities (a `TopK`); `k` past the vocabulary is an error."""
+    p = _last(logits).softmax(-1)
+    if not 1 <= k <= p.shape[-1]:
+        raise DeltaValueError(f"top({k}): the vocabulary has {p.shape[-1]} tokens")
+    # a stable order: by probability, then by token id (topk alone leaves ties unordered)
+    order = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]
+    return TopK(order.cpu(), p.gather(-1, order).cpu())
+
+
+KINDS = {"prob": prob, "rank": rank, "logit_diff": logit_diff, "kl": kl, "norm": norm, "top": top}
+LOGIT_KINDS = ("prob", "rank", "logit_diff", "kl", "top")  # the measures of next-token logits
+_TOKENS = {"prob": 1, "rank": 1, "logit_diff": 2, "top": 1}  # how many token ids each kind takes (top: its k)
 
 
 def arguments(kind: str, token_ids: Sequence[int], reference: Any = None) -> tuple[Any, ...]:

@@ -22,8 +22,13 @@ one place that knows it.
 
 from __future__ import annotations
 
+import atexit
+import json
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import attrs
 import torch
@@ -32,6 +37,7 @@ from nnsight import LanguageModel
 from . import families, kernels, values
 from .errors import DeltaModelError
 from .info import support_table
+from .deltarule import reusing
 from .kernels import unwinding
 from .mixer import DeltaNetEnvoy, MixerSite
 from .spec import ModelSpec, load_config, load_tokenizer, spec_from_config, _display_id
@@ -56,9 +62,17 @@ class DeltaModel(LanguageModel):
     family: families.Family
 
     def interleave(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """nnsight's driver of a trace, leaving the stack of running mixers as it found it."""
-        with unwinding():
+        """nnsight's driver of a trace, leaving the stack of running mixers as it found it.
+
+        Inside it, the blocks' `states` may reuse one buffer (`deltalang.deltarule.reusing`)."""
+        with unwinding(), reusing():
             return super().interleave(fn, *args, **kwargs)
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where a trace's inputs go: the first parameter not on `meta` (accelerate leaves the weights
+        it offloads to disk there between calls, and its hooks move inputs to each module's device)."""
+        return next((p.device for p in self._module.parameters() if p.device.type != "meta"), None)
 
     @property
     def layers(self) -> Any:
@@ -96,8 +110,15 @@ class DeltaModel(LanguageModel):
 
 def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
                dtype: str | torch.dtype | None = None, *, trust_remote_code: bool = False,
-               device_map: str | None = None) -> DeltaModel:
-    """Load a hybrid checkpoint: None = the bundled model, a local directory, or a hub id."""
+               device_map: str | dict[str, Any] | None = None, offload_folder: str | Path | None = None) -> DeltaModel:
+    """Load a hybrid checkpoint: None = the bundled model, a local directory, or a hub id.
+
+    `device_map` shards it through accelerate: `"auto"` (or another name accelerate knows), a dict
+    from module names to devices (`"cpu"`, `"disk"`, `0`, `"cuda:1"`), or the path of a JSON file
+    holding such a dict (or `{"device_map": {...}, "offload_folder": DIR}`, DIR relative to the
+    file). Modules placed on `"disk"` are offloaded to `offload_folder` (default: a temporary
+    directory removed at exit).
+    """
     where, config = load_config(name_or_path, trust_remote_code)
     spec = spec_from_config(_display_id(name_or_path, where), config, None)  # refused before any weight is read
     kernels.install(spec.family)
@@ -113,7 +134,9 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
             import accelerate  # noqa: F401
         except ImportError:
             raise DeltaModelError("--device-map needs accelerate: pip install accelerate") from None
-        kwargs["device_map"] = device_map
+        kwargs["device_map"], folder = device_map_of(device_map, offload_folder)
+        if folder is not None:
+            kwargs["offload_folder"] = str(folder)
     try:
         hf = AutoModelForCausalLM.from_pretrained(where, **kwargs)
     except (OSError, ValueError) as e:
@@ -121,6 +144,33 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
     if device_map is None:
         hf = hf.to(device)
     return _wrap(hf, tokenizer, attrs.evolve(spec, config=hf.config))
+
+
+def device_map_of(device_map: str | dict[str, Any] | Path,
+                  offload_folder: str | Path | None = None) -> tuple[str | dict[str, Any], str | Path | None]:
+    """The device map accelerate gets and the offload folder, from a name, a dict or a JSON file's path."""
+    if isinstance(device_map, Path) or (isinstance(device_map, str) and device_map.endswith(".json")):
+        where = Path(device_map)
+        try:
+            data = json.loads(where.read_text())
+        except (OSError, ValueError) as e:
+            raise DeltaModelError(f"cannot read the device map {str(where)!r}: {str(e).splitlines()[0]}") from None
+        if isinstance(data, dict) and isinstance(data.get("device_map"), dict):
+            if offload_folder is None and data.get("offload_folder") is not None:
+                offload_folder = where.parent / str(data["offload_folder"])
+            data = data["device_map"]
+        device_map = data
+    if isinstance(device_map, dict):
+        bad = [k for k, v in device_map.items() if not isinstance(k, str) or not isinstance(v, (str, int))]
+        if bad or not device_map:
+            raise DeltaModelError(f"a device map maps module names to devices ('cpu', 'disk', 0, 'cuda:1'); "
+                                  f"got {device_map!r:.120}")
+        if "disk" in device_map.values() and offload_folder is None:
+            offload_folder = tempfile.mkdtemp(prefix="deltalang-offload-")
+            atexit.register(shutil.rmtree, offload_folder, True)
+    elif not isinstance(device_map, str):
+        raise DeltaModelError(f"a device map is a name ('auto'), a dict or a JSON file; got {type(device_map).__name__}")
+    return device_map, offload_folder
 
 
 def wrap_model(hf: torch.nn.Module, tokenizer: Any, model_id: str | None = None) -> DeltaModel:
@@ -140,13 +190,41 @@ def _wrap(hf: torch.nn.Module, tokenizer: Any, spec: ModelSpec) -> DeltaModel:
     hf.eval()
     sites = _attach_sites(hf, spec)
     rename = {fam.mixer_type: "linear_attn"} if fam.mixer_attr != "linear_attn" else None
-    model = DeltaModel(hf, tokenizer=tokenizer, envoys={fam.mixer_type: DeltaNetEnvoy}, rename=rename)
+    with _pipeline_safe(hf):
+        model = DeltaModel(hf, tokenizer=tokenizer, envoys={fam.mixer_type: DeltaNetEnvoy}, rename=rename)
     model.spec = attrs.evolve(spec, tokenizer=tokenizer)
     model.family = fam
     for layer, site in sites.items():
         envoy = model.layers[layer].linear_attn
         site.bind(model.interleaver, envoy.path)
     return model
+
+
+@contextmanager
+def _pipeline_safe(hf: torch.nn.Module) -> Iterator[None]:
+    """transformers' pipeline (which nnsight builds) takes the first device of `hf_device_map` as its
+    own, failing on `"disk"`, and moves a model without one to its device, failing on the weights
+    accelerate offloaded to `meta` (`cpu_offload`): for the wrapping only, a map whose first device
+    is a real one."""
+    device_map = getattr(hf, "hf_device_map", None)
+    if isinstance(device_map, dict) and device_map:
+        if next(iter(device_map.values())) != "disk":
+            yield
+            return
+        main: Any = next((v for v in device_map.values() if v != "disk"), "cpu")
+    elif any(p.device.type == "meta" for p in hf.parameters()):
+        main = getattr(getattr(hf, "_hf_hook", None), "execution_device", None) or "cpu"
+    else:
+        yield
+        return
+    hf.hf_device_map = {"": main, **(device_map or {})}
+    try:
+        yield
+    finally:
+        if device_map is None:
+            del hf.hf_device_map
+        else:
+            hf.hf_device_map = device_map
 
 
 def decoder(hf: Any) -> Any:
@@ -181,4 +259,6 @@ def _attach_sites(hf: torch.nn.Module, spec: ModelSpec) -> dict[int, MixerSite]:
             site = MixerSite(mixer, spec.family, i, spec.dims)
             mixer._deltalang_site = site
         sites[i] = site
+    if sites:
+        sites[max(sites)].last = True
     return sites

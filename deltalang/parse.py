@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
+import attrs
 from lark import Lark, Token
 from lark import Tree as _LarkTree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -27,10 +28,11 @@ from .errors import DeltaError, DeltaErrors, DeltaSyntaxError, Span
 GRAMMAR_PATH = Path(__file__).resolve().parent / "grammar" / "deltalang.lark"
 
 # statement keywords, in the order a message lists them
+_PATHS = ("blocks", "outputs", "embeddings")  # method attribution's paths (sweep/paths.py)
 STATEMENTS = ("read", "write", "measure", "route", "step", "trace", "generate", "sweep",
               "prompt", "prompts", "dataset", "model")
-KEYWORDS = frozenset(STATEMENTS + ("on", "over", "in", "max_new_tokens", "as", "from"))
-MEASURES = ("prob", "logit_diff", "kl", "norm", "rank")
+KEYWORDS = frozenset(STATEMENTS + ("on", "over", "in", "max_new_tokens", "as", "from", "at"))
+MEASURES = ("prob", "logit_diff", "kl", "norm", "rank", "top")
 KERNELS = ("torch", "default")
 BLOCK_KINDS = ("linear", "attention")
 
@@ -454,25 +456,76 @@ class _Builder:
                          span=self.span(tree))
 
     def generate(self, tree: Node) -> ast.Generate:
-        name, prompt, n, block = tree.children
+        name, prompt, n, *opts, block = tree.children
         return ast.Generate(self.name(name, "a run"), self.on_prompt(prompt), int(n), self.body(block, tree),
-                            span=self.span(tree))
+                            self.sampling(opts), span=self.span(tree))
+
+    def sampling(self, opts: list[Node]) -> ast.Sampling | None:
+        """`temperature T`, `top_p P`, `seed S` (each once, any order); none: greedy."""
+        if not opts:
+            return None
+        got: dict[str, Any] = {}
+        usage = "after max_new_tokens a generate takes temperature T (> 0), top_p P (0 < P <= 1) and seed S"
+        for opt in opts:
+            key, num = opt.children
+            tok = num.children[0]
+            k = str(key)
+            if k not in ("temperature", "top_p", "seed"):
+                guess = difflib.get_close_matches(k, ["temperature", "top_p", "seed"], n=1)
+                self.fail(f"unknown option '{k}'{f' (did you mean {guess[0]!r}?)' if guess else ''}: {usage}",
+                          self.span(key))
+            if k in got:
+                self.fail(f"'{k}' is given twice", self.span(opt))
+            value = float(tok.value)
+            if k == "seed" and (tok.type != "INT" or value < 0):
+                self.fail("seed is a whole number >= 0: seed 1", self.span(opt))
+            if k == "temperature" and not value > 0:
+                self.fail("temperature must be > 0 (greedy is the default: leave sampling options out)",
+                          self.span(opt))
+            if k == "top_p" and not 0 < value <= 1:
+                self.fail("top_p is a share of the probability, 0 < top_p <= 1", self.span(opt))
+            got[k] = int(tok.value) if k == "seed" else value
+        if set(got) == {"seed"}:
+            self.fail("seed makes sampling reproducible: give temperature and/or top_p too (greedy needs no seed)",
+                      self.span(opts[0]))
+        sp = _cover(self.span(opts[0]), self.span(opts[-1]))
+        return ast.Sampling(got.get("temperature"), got.get("top_p"), got.get("seed"), span=sp)
 
     def on_prompt(self, tree: Node) -> str:
         """`on clean`, or a dataset's field `on facts.corrupt` (kept as the text `facts.corrupt`)."""
         return ".".join(str(t) for t in tree.children)
 
     def sweep(self, tree: Node) -> ast.Sweep:
-        name, prompt, *parts, block = tree.children
+        name, prompt, *parts, method, block = tree.children
         groups: list[tuple[Node, list[Node]]] = []
         for part in parts:  # a part without `VAR in` continues the list of positions before it
             if part.data == "axis":
                 groups.append((part, [part.children[1]]))
+            elif not groups:
+                self.fail("a sweep axis names its variable: over L in L[linear], t in 0..9", self.span(part))
             else:
                 groups[-1][1].append(part.children[0])
         built = tuple(self.axis(head, items) for head, items in groups)
         return ast.Sweep(self.name(name, "a run"), self.on_prompt(prompt), built, self.body(block, tree),
-                         span=self.span(tree))
+                         span=self.span(tree), method=None if method is None else self.sweep_method(method))
+
+    def sweep_method(self, tree: Node) -> ast.SweepMethod:
+        """`method exact` or `method attribution [steps K] [refine K] [path blocks|outputs|embeddings]`."""
+        name, *opts = tree.children
+        if str(name) not in ("exact", "attribution"):
+            self.fail(f"a sweep's method is exact or attribution, not '{name}'", self.span(name))
+        got: dict[str, Any] = {}
+        for opt in opts:
+            key, value = (str(x) for x in opt.children)
+            want_int = key in ("steps", "refine")
+            if str(name) != "attribution" or key not in ("steps", "refine", "path") or key in got:
+                self.fail(f"'{key}' is not an option of method {name} here (method attribution takes steps K, "
+                          f"refine K and path blocks|outputs|embeddings, each once)", self.span(opt))
+            if want_int != (opt.children[1].type == "INT") or (key == "path" and value not in _PATHS):
+                self.fail(f"{key} takes {'a count (steps 4, refine 20)' if want_int else 'blocks, outputs or embeddings'}"
+                          f", not '{value}'", self.span(opt.children[1]))
+            got[key] = int(value) if want_int else value
+        return ast.SweepMethod(str(name), **got, span=self.span(tree))
 
     def axis(self, tree: Node, items: list[Node]) -> ast.Axis:
         var = tree.children[0]
@@ -493,7 +546,16 @@ class _Builder:
         else:
             segs = dom.children
             if len(segs) != 1 or segs[0].data not in ("layer_seg", "star_seg", "bracket_seg"):
+                if len(segs) == 1 and segs[0].data == "name_seg" and str(segs[0].children[0]) == "heads":
+                    return ast.Axis(self.name(var, "a sweep variable"), ast.Heads(span=self.span(dom)),
+                                    span=self.span(tree))
                 self.fail(usage, self.span(dom))
+            if segs[0].data == "bracket_seg" and str(segs[0].children[0]) == "heads":  # heads[0:4]
+                items = tuple(self.sel_item(i) for i in segs[0].children[1].children)
+                if any(isinstance(i, ast.SelKind) for i in items):
+                    self.fail("heads[...] takes head numbers and slices: heads[0:4], heads[0,2]", self.span(dom))
+                return ast.Axis(self.name(var, "a sweep variable"), ast.Heads(items, span=self.span(dom)),
+                                span=self.span(tree))
             domain = self.selector(segs[0])
         return ast.Axis(self.name(var, "a sweep variable"), domain, span=self.span(tree))
 
@@ -545,13 +607,14 @@ class _Builder:
         return ast.Write(self.site(path), self.source(src), span=self.span(tree))
 
     def measure(self, tree: Node) -> ast.Measure:
-        *paths, alias = tree.children
+        *paths, at, alias = tree.children
         calls = tuple(self.measure_call(p) for p in paths)
         if alias is not None and len(calls) > 1:
             self.fail("'as' names one measure; measure the others in a statement of their own",
                       self.span(alias))
+        pos = None if at is None else self.position(at.children[0])
         return ast.Measure(calls, None if alias is None else self.name(alias, "a measure"),
-                           span=self.span(tree))
+                           pos, span=self.span(tree))  # type: ignore[arg-type]
 
     def route(self, tree: Node) -> ast.Route:
         tok = tree.children[0]
@@ -573,6 +636,15 @@ class _Builder:
         if tree.data == "scale_source":
             tok = tree.children[0].children[0]
             return ast.ScaleSource(float(tok.value), span=sp)
+        if tree.data == "add_source":
+            return ast.ExprSource(self.expr(tree.children[0]), True, span=sp)
+        if tree.children[0].data in ("binop", "number"):
+            node = tree.children[0]
+            if node.data == "number":
+                tok = node.children[0]
+                self.fail(f"after '=' comes zeros, the name of a read, mean(PROMPTS) or load(FILE); to scale write "
+                          f"'*= {tok.value}', to add '+= {tok.value}'", self.span(tok))
+            return ast.ExprSource(self.expr(node), False, span=sp)
         path = tree.children[0]
         segs = path.children
         if tree.data == "from_source":
@@ -591,6 +663,8 @@ class _Builder:
         if seg.data == "name_seg":
             name = str(seg.children[0])
             return ast.ZerosSource(span=sp) if name == "zeros" else ast.NamedSource(name, span=sp)
+        if seg.data == "call_seg" and seg.children[0].value == "load":
+            return self.load(seg, sp)
         if seg.data == "call_seg":
             fn, args = seg.children
             if fn.value != "mean":
@@ -599,6 +673,37 @@ class _Builder:
             names = self.name_args(args, seg, "mean takes prompt names: mean(foods) or mean(a, b)")
             return ast.MeanSource(names, span=sp)
         self.fail(hint, self.span(seg))
+
+    def load(self, seg: Node, sp: Span) -> ast.LoadSource:
+        """`load("file.safetensors")` or `load("file.safetensors", "key")`."""
+        args = seg.children[1]
+        arglist = [] if args is None else list(args.children)
+        if not 1 <= len(arglist) <= 2 or not all(isinstance(a, Token) and a.type == "STRING" for a in arglist):
+            self.fail('load takes a quoted file and optionally a quoted key: load("direction.safetensors") or '
+                      'load("file.safetensors", "key")', self.span(seg))
+        texts = [self.string(a) for a in arglist]
+        return ast.LoadSource(texts[0], texts[1] if len(texts) > 1 else None, span=sp)
+
+    def expr(self, node: Node) -> ast.Expr:
+        """An operand of `= EXPR` / `+= EXPR`: a source, a number, or `LEFT OP RIGHT`."""
+        sp = self.span(node)
+        if node.data == "binop":
+            left, op, right = node.children
+            return ast.BinOp(str(op.value), self.expr(left), self.expr(right), span=sp)
+        if node.data == "number":
+            return ast.Number(float(node.children[0].value), span=sp)
+        segs = node.children
+        if len(segs) > 1:  # RUN.SITE: a donor, as in `from`
+            if segs[0].data != "name_seg":
+                self.fail("a value from another run is RUN.SITE (other.L2.state_output), as after 'from'", sp)
+            rest = segs[1:]
+            return ast.FromSource(str(segs[0].children[0]),
+                                  self.site_from_segments(rest, _cover(self.span(rest[0]), self.span(rest[-1]))),
+                                  span=sp)
+        src = self.source(_LarkTree("assign_source", [node], node.meta))
+        if isinstance(src, ast.ExprSource):
+            raise AssertionError("a lone path is a plain source")
+        return attrs.evolve(src, span=sp)  # type: ignore[return-value]
 
     def name_args(self, args: Node | None, seg: Node, message: str) -> tuple[str, ...]:
         out: list[str] = []
@@ -616,7 +721,8 @@ class _Builder:
     def measure_call(self, path: Node) -> ast.MeasureCall:
         segs = path.children
         sp = self.span(path)
-        usage = "a measure is prob(\" tok\"), logit_diff(\" a\", \" b\"), kl(RUN), norm(SITE) or rank(\" tok\")"
+        usage = ("a measure is prob(\" tok\"), logit_diff(\" a\", \" b\"), kl(RUN), norm(SITE), rank(\" tok\") "
+                 "or top(5)")
         if len(segs) != 1 or segs[0].data != "call_seg":
             self.fail(usage + "; to keep a value use 'read'", sp)
         fn, args = segs[0].children
@@ -632,6 +738,11 @@ class _Builder:
         if name == "logit_diff":
             a, b = self.string_args(arglist, 2, name, sp)
             return ast.LogitDiff(a, b, span=sp)
+        if name == "top":
+            if len(arglist) != 1 or not isinstance(arglist[0], Token) or arglist[0].type != "INT" \
+                    or int(arglist[0].value) < 1:
+                self.fail("top takes how many tokens, a whole number >= 1: top(5)", sp)
+            return ast.Top(int(arglist[0].value), span=sp)
         if name == "kl":
             (run,) = self.name_args(args, segs[0], "kl takes the name of a run: kl(base)")
             if len(arglist) != 1:
@@ -664,6 +775,10 @@ class _Builder:
 
     def site_from_segments(self, segs: list[Node], sp: Span) -> ast.Site:
         usage = "a site is BLOCK.VALUE (L0.state_output, L[linear].state_after(3)) or a model-level value (logits)"
+        if len(segs) > 1 and segs[-1].data == "call_seg" and str(segs[-1].children[0]) == "head":
+            head = self.head_index(segs[-1])  # `SITE.head(3)`: one value head's slice of the site
+            inner = self.site_from_segments(segs[:-1], sp)
+            return ast.Site(inner.block, inner.value, inner.position, head, span=sp)
         if len(segs) > 2:
             self.fail(f"too many parts: {usage}", sp)
         if len(segs) == 1:
@@ -682,6 +797,18 @@ class _Builder:
         value, pos = self.value_part(tail)
         return ast.Site(block, value, pos, span=sp)
 
+    def head_index(self, seg: Node) -> ast.IntPos | ast.VarPos:
+        """The argument of `.head(3)` or `.head(h)` (a sweep variable over heads)."""
+        args = seg.children[1]
+        arglist = [] if args is None else list(args.children)
+        if len(arglist) == 1 and isinstance(arglist[0], Token) and arglist[0].type == "INT":
+            return ast.IntPos(int(arglist[0].value), span=self.span(arglist[0]))
+        if len(arglist) == 1 and isinstance(arglist[0], _LarkTree) and len(arglist[0].children) == 1 \
+                and arglist[0].children[0].data == "name_seg":
+            return ast.VarPos(str(arglist[0].children[0].children[0]), span=self.span(arglist[0]))
+        self.fail("head(...) takes one head number (counting value heads from 0) or a sweep variable: "
+                  "L1.state_after(2).head(3)", self.span(seg))
+
     def value_part(self, seg: Node) -> tuple[str, ast.Position | None]:
         if seg.data == "name_seg":
             return str(seg.children[0]), None
@@ -695,6 +822,11 @@ class _Builder:
 
     def position(self, arg: Node | Token) -> ast.Position:
         usage = "a position is a number (3, -1), a quoted piece of the prompt (\"Tower\"), or a sweep variable"
+        if isinstance(arg, _LarkTree) and arg.data == "all_pos":
+            return ast.AllPos(span=self.span(arg))
+        if isinstance(arg, _LarkTree) and arg.data == "range":
+            start, stop = (int(str(x)) for x in arg.children)
+            return ast.RangePos(start, stop, span=self.span(arg))
         if isinstance(arg, Token):
             if arg.type == "INT":
                 return ast.IntPos(int(arg.value), span=self.span(arg))

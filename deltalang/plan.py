@@ -48,8 +48,10 @@ import networkx as nx
 
 from . import values
 from .ast import quote as ast_quote
+from .batches import BATCH_TOKENS, batch_stage  # noqa: F401 - re-exported: one forward's runs
 from .errors import DeltaPlanError, Span
-from .ir import FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, op_result_name
+from .ir import (FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, logits_kept,
+                 op_result_name, operand_ops, with_donors)
 
 HIDDEN = "~"  # results whose key starts with this are internal (donor reads, mean inputs)
 
@@ -75,6 +77,7 @@ class PlanOp:
     donor_key: str | None = None  # writes `from`/`= NAME`/`= mean`: where the value is in results
     text: str = ""  # the statement as written, for the comment
     span: Span | None = attrs.field(default=None, eq=False)
+    head: int | None = None  # `.head(h)`: the op reads or writes this value head's slice only
 
     @property
     def hidden(self) -> bool:
@@ -104,6 +107,7 @@ class RunPlan:
     n_tokens: int = 0  # the prompt's tokens
     token_ids: tuple[int, ...] = ()  # a teacher-forced run's tokens (the prompt and an answer's first tokens)
     answer_len: int = 1  # the last positions whose logits its measures read (a teacher-forced answer's tokens)
+    sampling: Any = None  # a generate's `ast.Sampling` (temperature, top_p, seed); None: greedy
 
 
 @attrs.frozen
@@ -292,10 +296,11 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
 
     mean_runs = 0
     for r in runs:
-        for op in expanded[r.name]:
+        operand_keys: list[str | None] = []  # a write's arithmetic: its operands' keys, found before it
+        for op in operand_ops(expanded[r.name]):
             if op.kind == "read":
                 ops[r.name].append(PlanOp("read", op.layer, op.value, op.position, op.step, op.result_name,
-                                          text=op.written, span=op.span))
+                                          text=op.written, span=op.span, head=op.head))
                 continue
             src, dkey = op.source, None
             if isinstance(src, FromRun):
@@ -329,22 +334,25 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
                 dkey = f"{HIDDEN}mean({','.join(src.prompts)}).L{op.layer}.{op.value}" + (
                     f"({op.position})" if op.position is not None else "") + f".{r.name}"
                 combines.append(Combine(dkey, tuple(inputs)))
-            ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, source=src,
-                                      donor_key=dkey, text=op.written, span=op.span))
+            if op.kind == "operand":  # one operand of the write after it: its key (None: no value from elsewhere)
+                operand_keys.append(dkey)
+                continue
+            ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, donor_key=dkey,
+                                      source=with_donors(src, operand_keys), text=op.written, span=op.span,
+                                      head=op.head))
     measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor) for run, m in measures}
     forced: dict[str, tuple[tuple[int, ...], int]] = {}  # run -> (its tokens, the answer's length)
     for run, m in measures:
         if m.forced:
             measure_inputs[m.result_name] = _forced_reads(meta, ops, edges, forced, implicit_why, meta[run], m)
-
-    plans = {}
+    plans, kept = {}, logits_kept(measures, {name: len(r.token_ids) for name, r in meta.items()})
     for name, r in meta.items():
         plans[name] = RunPlan(name=r.name, kind=r.kind, prompt=r.prompt, prompt_text=r.prompt_text,
                               ops=tuple(sort_ops(mark_states_as_run(ops[name]))),
-                              max_new_tokens=r.max_new_tokens, route=r.route, implicit=r.implicit,
+                              max_new_tokens=r.max_new_tokens, route=r.route, implicit=r.implicit, sampling=r.sampling,
                               why=implicit_why.get(name, ""), n_tokens=len(r.token_ids),
                               token_ids=forced[name][0] if name in forced else (),
-                              answer_len=forced[name][1] if name in forced else 1)
+                              answer_len=max(forced[name][1] if name in forced else 1, kept.get(name, 1)))
     return plans, edges, combines, measures, measure_inputs
 
 
@@ -448,35 +456,6 @@ def order_runs(plans: dict[str, RunPlan], edges: list[tuple[str, str, Any]],
 
 
 # -- 3. passes -------------------------------------------------------------
-
-
-BATCH_TOKENS = 16384  # at most this many (padded) tokens in one shared forward
-
-
-def batch_stage(stage: list[RunPlan], batch: bool = True, max_tokens: int = BATCH_TOKENS) -> list[list[RunPlan]]:
-    """Traces of one stage with one route share forwards; each generate runs alone.
-
-    A shared forward holds runs of similar length (sorted by length, so little is padded) up to
-    `max_tokens` padded tokens. Runs of different lengths are left-padded in it; every value is still
-    the run's own (see the module doc and `Pass.padded`).
-    """
-    groups: list[list[RunPlan]] = []
-    traces: dict[str | None, list[RunPlan]] = {}
-    for run in stage:
-        if run.kind == "generate" or not batch:
-            groups.append([run])
-        else:
-            traces.setdefault(run.route, []).append(run)
-    shared: list[list[RunPlan]] = []
-    for runs in traces.values():
-        current: list[RunPlan] = []
-        for run in sorted(runs, key=lambda r: r.n_tokens):  # stable: source order within a length
-            if current and (len(current) + 1) * run.n_tokens > max_tokens:
-                shared.append(current)
-                current = []
-            current.append(run)
-        shared.append(current)
-    return shared + groups
 
 
 def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:

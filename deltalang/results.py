@@ -9,6 +9,10 @@ names of `values.CATALOGUE` (`[b=1, heads=4, key_dim=32, value_dim=32]`), norms
 are named (`‖·‖F`, the Frobenius norm, and over which axes), and a KL below 0 (float
 noise) shows as 0 (`shown_value`, which the sweep tables use too); values stay raw.
 
+A `top(k)` measure is a `measures.TopK`: the summary prints its tokens and probabilities
+(`t.top(3)   ' Paris' 0.412, ' Rome' 0.12, ...`, 3 significant digits); a save stores its `NAME.ids` and
+`NAME.probs` tensors in `results.safetensors` and the decoded tokens under `top` in `results.json`.
+
 `Results.save(DIR)` writes every result (each tensor an independent copy, so
 values that share storage save; no `results.safetensors` without tensors), each
 file with the mode the umask gives; `check_out_dir` finds, touching
@@ -34,6 +38,7 @@ import torch
 
 from . import html
 from .errors import DeltaError
+from .measures import TopK
 from .model import DeltaModel
 from .values import CATALOGUE, MODEL_VALUES
 from .version import __version__
@@ -56,9 +61,12 @@ def axis_names(kind: str, ndim: int) -> list[str] | None:
     return None
 
 
-def named_shape(kind: str, shape: Sequence[int]) -> str:
-    """`[b=1, heads=4, key_dim=32, value_dim=32]`, or `[1, 4, 32, 32]` for a value without catalogue names."""
-    names = axis_names(kind, len(shape))
+def named_shape(kind: str, shape: Sequence[int], head: bool = False) -> str:
+    """`[b=1, heads=4, key_dim=32, value_dim=32]`, or `[1, 4, 32, 32]` for a value without catalogue names;
+    `head`: one head's slice (`.head(h)`), the value's axes without `heads` (`[b=1, key_dim=32, value_dim=32]`)."""
+    names = axis_names(kind, len(shape) + 1) if head else axis_names(kind, len(shape))
+    if head and names is not None:
+        names = [n for n in names if n != "heads"] if "heads" in names else None
     if names is None:
         return "[" + ", ".join(str(n) for n in shape) + "]"
     return "[" + ", ".join(f"{a}={n}" for a, n in zip(names, shape)) + "]"
@@ -110,7 +118,19 @@ class Results(Mapping[str, Any]):
 
     @property
     def measures(self) -> dict[str, float]:
-        return {k: v for k, v in self._values.items() if not isinstance(v, torch.Tensor)}
+        """The measures that are numbers (`top(k)` is in `tops`)."""
+        return {k: v for k, v in self._values.items() if not isinstance(v, (torch.Tensor, TopK))}
+
+    @property
+    def tops(self) -> dict[str, TopK]:
+        """The `top(k)` measures: each one's token ids and probabilities."""
+        return {k: v for k, v in self._values.items() if isinstance(v, TopK)}
+
+    def _top_text(self, v: TopK) -> str:
+        """`' Paris' 0.412, ' Rome' 0.120` (token ids without a tokenizer); prompts apart by ` | `."""
+        tok = self._model.tokenizer if self._model is not None else None
+        return " | ".join(", ".join(f"{tok.decode([i])!r} {p:.3g}" if tok is not None else f"{i} {p:.3g}"
+                                    for i, p in row) for row in v.rows())
 
     @property
     def tokens(self) -> dict[str, list[str]]:
@@ -130,7 +150,9 @@ class Results(Mapping[str, Any]):
         tok = self._model.tokenizer if self._model is not None else None
         normed = False
         for k, v in self._values.items():
-            if not isinstance(v, torch.Tensor):
+            if isinstance(v, TopK):
+                lines.append(f"{k:48} {self._top_text(v)}")
+            elif not isinstance(v, torch.Tensor):
                 lines.append(f"{k:48} {shown_value(self._kind(k), v)}")
             elif self._kind(k) == "tokens" and tok is not None:
                 lines.append(f"{k:48} " + " | ".join(repr(tok.decode(r)) for r in v.tolist()))
@@ -147,7 +169,8 @@ class Results(Mapping[str, Any]):
                     lines.append(f"    {label!r:14} {x:.4f}")
             else:
                 normed = True
-                lines.append(f"{k:48} {NORM} {float(v.float().norm()):<10.4f} {named_shape(self._kind(k), v.shape)}")
+                shape = named_shape(self._kind(k), v.shape, head=re.search(r"\.head\(\d+\)$", k) is not None)
+                lines.append(f"{k:48} {NORM} {float(v.float().norm()):<10.4f} {shape}")
         if normed:
             lines.append(f"({NORM}: the Frobenius norm over every axis of the tensor)")
         return "\n".join(lines)
@@ -161,7 +184,7 @@ class Results(Mapping[str, Any]):
 
     def files(self) -> list[str]:
         """The files `save` writes: `results.safetensors` only when there are tensors."""
-        names = (["results.safetensors"] if self.tensors else []) + ["results.json"]
+        names = (["results.safetensors"] if self.tensors or self.tops else []) + ["results.json"]
         return names + (["program.dl"] if self.program is not None else []) + \
             ([self.code_file] if self.code is not None else [])
 
@@ -175,7 +198,7 @@ class Results(Mapping[str, Any]):
         files. A directory that cannot be written is a DeltaError.
         """
         out = save_atomically(directory, lambda tmp: self._write(tmp, extra))
-        if not self.tensors and (out / "results.safetensors").is_file():
+        if not self.tensors and not self.tops and (out / "results.safetensors").is_file():
             (out / "results.safetensors").unlink()
         return out
 
@@ -184,8 +207,13 @@ class Results(Mapping[str, Any]):
 
         # clone: safetensors refuses tensors that share storage, and views of one result often do
         tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.tensors.items()}
+        tok = self._model.tokenizer if self._model is not None else None
+        for k, v in self.tops.items():  # top(k): its ids and probabilities, tensors of their own
+            tensors[f"{k}.ids"], tensors[f"{k}.probs"] = v.ids.contiguous().clone(), v.probs.contiguous().clone()
         meta = {
             "measures": self.measures,
+            "top": {k: [[{"id": i, "token": tok.decode([i]) if tok is not None else None, "prob": p} for i, p in row]
+                        for row in v.rows()] for k, v in self.tops.items()},
             "tokens": self.tokens,
             "shapes": {k: list(v.shape) for k, v in tensors.items()},
             "model": self._model.spec.model_id if self._model is not None else None,

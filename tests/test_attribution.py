@@ -11,7 +11,9 @@ patch's effect; what it cannot estimate is a one-line DeltaSweepError.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import sys
 from pathlib import Path
 
@@ -21,7 +23,10 @@ from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang import families, gradients
-from deltalang.sweep import DeltaSweepError
+from deltalang.ast import format_program
+from deltalang.sweep import DeltaSweepError, paths
+from deltalang.sweep.attribution import target_of
+from deltalang.sweep.recompute import capture_clean
 from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -171,6 +176,39 @@ def test_the_paths_integrate_towards_the_donor(model: deltalang.DeltaModel) -> N
         assert got.grid() != pytest.approx(plain.grid(), rel=1e-3)
 
 
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("shared", [False, True])
+def test_block_paths_from_their_block_equal_whole_model_passes(family: str, shared: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each block's path run from that block on (the clean stream below it, several blocks' rows in one pass)
+    gives the gradients of a whole-model forward with that block's output alone shifted."""
+    model = deltalang.load_model(tiny_checkpoint(family))
+    blocks = model.spec.linear_layers()
+    exp = deltalang.compile(_program("write L.state_after(t) from other", axes="L in L[linear], t in 0..4"), model)
+    target = target_of(exp)
+    clean = paths.record_forward(model, blocks, ids=paths.ids_of(model, CLEAN))
+    donor = paths.record_forward(model, blocks, ids=paths.ids_of(model, OTHER))
+    ends = paths.PathEnds(CLEAN, clean, donor, OTHER, None)
+    steps, m = 3, target.measures[0]
+    with paths.frozen_weights(model), torch.no_grad():
+        cap = capture_clean(model, CLEAN, min(blocks), {})
+    if shared:  # every block's rows in one pass (what a GPU's memory budget allows)
+        monkeypatch.setattr(paths, "path_groups", lambda model, blocks, steps, positions: [sorted(blocks)])
+    with paths.frozen_weights(model):
+        got = paths.block_paths(model, cap, blocks, m, steps, ends)
+        x0 = model._module.get_input_embeddings()(paths.ids_of(model, CLEAN)).detach()
+        a = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
+        for b in blocks:
+            whole = paths.record_forward(model, [b], embeds=x0.expand(steps, -1, -1).clone().requires_grad_(True),
+                                         measure=m, shifts={b: a[:, None, None, None] * ends.shift(b)})
+            mine, want = got[b][0].blocks[b], whole.blocks[b]
+            assert want.grad_out.abs().max() > 1e-4  # the measure depends on the block
+            for x, y in ((mine.grad_out, want.grad_out), (mine.grad_conv, want.grad_conv),
+                         (got[b][0].result[:, -1], whole.result[:, -1])):
+                assert x.shape == y.shape
+                assert float((x - y).abs().max()) <= 3e-4 * float(y.abs().max()), (b, float((x - y).abs().max()))
+
+
 @pytest.mark.parametrize(("src", "kw", "message"), [
     (_program("write L.state_after(t) = zeros", measure="kl(other)"), {}, "differentiates"),
     (_program("write L.state_after(t) = zeros"), {"steps": 4, "path": "embeddings"}, "integrates along a path"),
@@ -187,3 +225,77 @@ def test_what_attribution_cannot_estimate_is_one_line(model: deltalang.DeltaMode
     with pytest.raises(DeltaSweepError) as e:
         deltalang.run_sweep(src, model, method="attribution", **kw)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# -- the method in the language ----------------------------------------------------------------------
+
+def _declared(method: str, body: str = "write L.state_after(t) from other") -> str:
+    return _program(body).replace("t in 14..22 {", f"t in 14..22 {method} {{")
+
+
+def test_the_sweeps_method_is_honoured_and_prints_back(model: deltalang.DeltaModel, tmp_path: Path) -> None:
+    src = _declared("method attribution steps 2 refine 3")
+    prog = deltalang.parse(src)
+    assert deltalang.parse(format_program(prog)) == prog
+    assert "method attribution steps 2 refine 3 {" in format_program(prog)
+    got = deltalang.run_sweep(src, model)
+    want = deltalang.run_sweep(_program("write L.state_after(t) from other"), model, method="attribution", steps=2,
+                               refine=3)
+    assert got.variants == want.variants == ["plain", "blk2"]
+    assert got.grid() == pytest.approx(want.grid(), rel=1e-5, abs=1e-7)
+    assert [(r.block, r.position) for r in got.refined()] == [(r.block, r.position) for r in want.refined()]
+    assert [r.exact for r in got.refined()] == pytest.approx([r.exact for r in want.refined()], abs=1e-6)
+    # arguments replace the program's options
+    plain = deltalang.run_sweep(src, model, steps=0, refine=0)
+    assert plain.variants == ["plain"] and not plain.refined()
+    assert plain.grid() == pytest.approx(want.grid(variant="plain"), rel=1e-5, abs=1e-7)
+    # the command line: the program's method, flags over it
+    from deltalang.cli import main
+
+    f = tmp_path / "attr.dl"
+    f.write_text(src)
+    for flags, columns in (([], "blk2"), (["--steps", "1", "--refine", "1"], "blk1")):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+            assert main(["sweep", str(f), "--model", str(tiny_checkpoint("qwen3_5")), *flags]) == 0
+        head = buf.getvalue().splitlines()[1].split()
+        assert head == ["block", "pos", "token", "measure", "plain", columns, "exact"]
+
+
+@pytest.mark.parametrize(("src", "kw", "message"), [
+    (_declared("method attribution"), {"method": "exact"}, "contradicts"),
+    (_declared("method attribution") + _program("write L.state_after(t) = zeros").split("\n", 2)[2]
+     .replace("sweep s ", "sweep s2 "), {}, "put the others in another file"),
+    (_program("write L.state_after(t) from other"), {"steps": 2}, "options of method attribution"),
+])
+def test_method_conflicts_are_one_line(model: deltalang.DeltaModel, src: str, kw: dict, message: str) -> None:
+    with pytest.raises(DeltaSweepError) as e:
+        deltalang.run_sweep(src, model, **kw)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_exact_engine_refuses_a_sweep_that_says_attribution(model: deltalang.DeltaModel) -> None:
+    with pytest.raises(deltalang.DeltaError) as e:
+        deltalang.run(_declared("method attribution"), model)
+    assert "says method attribution" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_attribution_over_a_dataset_is_refused_in_one_line(model: deltalang.DeltaModel, tmp_path: Path) -> None:
+    data = tmp_path / "facts.jsonl"
+    data.write_text(f'{{"prompt": "{CLEAN}", "corrupt": "{OTHER}"}}\n')
+    body = ("sweep s on facts over L in L[linear], t in 14..22{} {{\n    write L.state_after(t) = zeros\n"
+            "    measure logit_diff(\"P\", \"a\")\n}}\n")
+    src = f'dataset facts = "{data}"\n' + body.format(" method attribution")
+    with pytest.raises(deltalang.DeltaError) as e:
+        deltalang.run(src, model)
+    assert "not yet over a dataset" in str(e.value) and "\n" not in str(e.value)
+    from deltalang.cli import main
+
+    f = tmp_path / "attr.dl"
+    err = io.StringIO()
+    for text, flags in ((src, []), (f'dataset facts = "{data}"\n' + body.format(""), ["--attribution"])):
+        f.write_text(text)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            assert main(["sweep", str(f), "--model", str(tiny_checkpoint("qwen3_5")), *flags]) == 1
+    lines = [x for x in err.getvalue().splitlines() if x.startswith("error")]
+    assert len(lines) == 2 and all("over a dataset" in x for x in lines), err.getvalue()

@@ -123,7 +123,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_the_page_has_examples_and_outputs() -> None:
     assert len(EXAMPLES) >= 10 and len(SHOWN) >= 6
-    assert {e.command[0] for e in SHOWN} == {"check", "run"}
+    assert {e.command[0] for e in SHOWN} == {"check", "run", "sweep"}
     assert any(e.fails for e in SHOWN)
     assert all(len(e.command) >= 2 and e.command[1].endswith(".dl") for e in SHOWN)
 

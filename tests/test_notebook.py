@@ -273,3 +273,27 @@ def test_notebook_progress_counts_cells(capsys: pytest.CaptureFixture[str]) -> N
         bar.update(0, advance=3)
     assert bar.text().startswith("s: 4/4 cells") and "left" not in bar.text()
     assert '<progress value="4" max="4">' in bar.line()._repr_html_()
+
+
+def test_dataset_sweep_results_html_is_its_summary_with_heatmaps() -> None:
+    from deltalang.dataset_run import MeasureStats
+    from deltalang.datasets import Dataset, Record
+    from deltalang.sweep.dataset import CellStats, DatasetSweepResults
+
+    ds = Dataset("facts", "<data>", (Record(0, 1, {"q": "a"}), Record(1, 2, {"q": "<b>"})))
+    ld = "logit_diff(facts.answer, facts.foil)"
+    grid = [("L4", "facts.subject", -1.5), ("L4", "-1", 2.0), ("L6", "facts.subject", 0.25), ("L6", "-1", 3.0)]
+    stats = [CellStats("restore", (("L", b), ("t", t)), MeasureStats(ld, m, 0.5, 1, m - 1, m + 1))
+             for b, t, m in grid]
+    stats.append(CellStats("one", (("h", "head 1"),), MeasureStats(ld, 7.0, 0.0, 1, 7.0, 7.0)))
+    stats.append(CellStats("clean", (), MeasureStats("clean." + ld, 9.5, 0.0, 1, 9.5, 9.5)))
+    axes = {"restore": (("L", ("L4", "L6")), ("t", ("facts.subject", "-1"))), "one": (("h", ("head 1",)),)}
+    out = DatasetSweepResults(ds, (), tuple(stats), ((1, "no <token>"),), axes)
+    page = out._repr_html_()
+    assert "1 of 2 records of &#x27;facts&#x27;" in page
+    assert page.count("<img src=\"data:image/png;base64,") == 1  # the one two-axis grid's heatmap
+    assert "L \\ t" in page and "-1.5" in page and "0.25" in page and "facts.subject" in page
+    assert "h=head 1" in page and "7.0000" in page and "[7.0000, 7.0000]" in page  # a one-axis sweep's cells
+    assert "clean." + ld in page.replace("&quot;", '"') and "9.5000" in page
+    assert "no &lt;token&gt;" in page and "<token>" not in page and "row 2" in page
+    assert page.count("<tr>") == 3 + 2 + 2 + 2  # grid (header + 2 rows), one, others, left out

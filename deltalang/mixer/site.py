@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from nnsight.intervention.interleaver import Interleaver
 
-from .. import kernels
+from .. import deltarule, kernels
 from .conv import ConvWindows
 from .state import DeltaRuleCall
 
@@ -55,6 +55,7 @@ class MixerSite(DeltaRuleCall, ConvWindows):
         # writes applied without a trace (the sweep engine): (value kind, absolute position) ->
         # (rows of the batch, the value for those rows)
         self.direct: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last = False  # the model's last DeltaNet block (set by `deltalang.model`)
         self._hooks = [
             module.register_forward_pre_hook(self._enter, with_kwargs=True),
             module.register_forward_hook(self._exit, always_call=True),
@@ -93,6 +94,8 @@ class MixerSite(DeltaRuleCall, ConvWindows):
     def _exit(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._depth is not None:
             kernels.unwind(self._depth)
+        if self.last:  # no later block of this forward reuses the states buffer
+            deltarule.release()
 
     def ended(self) -> None:
         """This call has left the stack of running mixers."""

@@ -80,8 +80,8 @@ class DeltaRuleCall(Requests):
             clean = [initial]
 
             def run(a: int, b: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-                if state is clean[-1]:
-                    clean.append(states[:, b - 1])
+                if state is clean[-1]:  # a copy: a view would keep the states' buffer from reuse
+                    clean.append(states[:, b - 1].clone())
                     return full[:, a:b], clean[-1]
                 out, final = token_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b],
                                       beta=beta[:, a:b], initial_state=state, output_final_state=True,

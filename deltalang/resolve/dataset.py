@@ -92,6 +92,9 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
             if isinstance(st, ast.Read) or (isinstance(st, ast.Step) and isinstance(st.body, ast.Read)):
                 raise _fail("a run over a dataset keeps measures, one per record: use 'measure' (e.g. "
                             "norm(SITE)), not 'read'", st.span)
+            for top in (n for n in ast.walk(st) if isinstance(n, ast.Top)):
+                raise _fail(f"top({top.k}) gives tokens, not a number, and a run over a dataset averages numbers: "
+                            f"measure prob(...) or rank(...) of a token", top.span)
     if ds_name not in datasets:
         raise _fail(f"no data for the dataset '{ds_name}'", decls[ds_name].span if ds_name in decls else runs[0].span)
     ds = datasets[ds_name]
@@ -295,4 +298,8 @@ def measure_label(program: ast.Program, run: str, m: ResolvedMeasure) -> str:
         text = measure_call_text("kl", (), m.against, "")
     else:
         text = ast.format_measure(call)
+    stmt = next((n for n in ast.walk(program) if isinstance(n, ast.Measure) and any(c is call for c in n.calls)),
+                None)
+    if m.at is not None and stmt is not None and stmt.at is not None:  # `at -2` as written, in every record
+        text += f" at {ast.format_position(stmt.at)}"
     return measure_result_name(run, m.step, text, m.alias, m.layer, multi)

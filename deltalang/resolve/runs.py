@@ -22,7 +22,7 @@ from ..ir import (ResolvedMeasure, ResolvedOp, ResolvedRun, SweepAxis, measure_c
 from ..tokens import token_id
 from .scope import Ctx, Fail, Scope, Target, did_you_mean
 from .sites import expand, index, piece, targets
-from .sources import NamedPending, run_target, write_source
+from .sources import is_pending, run_target, write_source
 
 
 @attrs.define
@@ -105,7 +105,9 @@ def resolve_run(scope: Scope, run: ast.Trace | ast.Generate | ast.Sweep) -> Draf
         if a.var not in ctx.used:
             scope.error(f"sweep variable '{a.var}' is never used in the body of '{run.name}'", a.span)
     head = ResolvedRun(run.name, kind, run.prompt, text, toks.ids, toks.display, max_new, False,
-                       route=ctx.route or scope.global_route, axes=axes, span=run.span)
+                       route=ctx.route or scope.global_route, axes=axes, span=run.span,
+                       method=run.method if isinstance(run, ast.Sweep) else None,
+                       sampling=run.sampling if isinstance(run, ast.Generate) else None)
     return Draft(head, ops, measures)
 
 
@@ -164,6 +166,8 @@ def resolve_axis(scope: Scope, axis: ast.Axis, ctx: Ctx, body: Sequence[ast.Stat
         return SweepAxis(axis.var, "position", tuple(positions), labels, span=axis.span)
     if isinstance(d, ast.PosList):
         return position_list(scope, axis, d, ctx)
+    if isinstance(d, ast.Heads):
+        return head_axis(scope, axis, d)
     if isinstance(d, ast.AllBlocks):  # L*: the blocks that have every value the body takes from it
         wanted = _values_of_block_var(body, axis.var)
         blocks = [i for i in range(scope.spec.num_layers)
@@ -173,6 +177,26 @@ def resolve_axis(scope: Scope, axis: ast.Axis, ctx: Ctx, body: Sequence[ast.Stat
     else:
         blocks = expand(scope, d, None, axis.span)
     return SweepAxis(axis.var, "block", tuple(blocks), tuple(blocks), span=axis.span)
+
+
+def head_axis(scope: Scope, axis: ast.Axis, d: ast.Heads) -> SweepAxis:
+    """`h in heads` (every value head) or `h in heads[0:4]`, `heads[0,2]`: head numbers, each once."""
+    n = scope.spec.dims["heads"]
+    chosen: list[int] = []
+    for item in d.items or (ast.SelSlice(None, None, span=d.span),):
+        if isinstance(item, ast.SelIndex):
+            if not -n <= item.index < n:
+                scope.fail(f"no head {item.index}: this model's DeltaNet blocks have {n} value heads "
+                           f"(0..{n - 1})", item.span)
+            got = [item.index % n]
+        else:
+            assert isinstance(item, ast.SelSlice)
+            got = list(range(n))[item.start:item.stop]
+            if not got:
+                scope.fail(f"heads[{ast.format_sel_item(item)}] selects no heads of {n} (slices are half-open)",
+                           item.span)
+        chosen.extend(h for h in got if h not in chosen)
+    return SweepAxis(axis.var, "head", tuple(chosen), tuple(chosen), span=axis.span)
 
 
 def position_list(scope: Scope, axis: ast.Axis, d: ast.PosList, ctx: Ctx) -> SweepAxis:
@@ -233,6 +257,10 @@ def statement(scope: Scope, st: ast.Statement, ctx: Ctx, ops: list[Any], measure
     if isinstance(st, ast.Read):
         for site in st.sites:
             try:
+                if st.alias is not None and isinstance(site.position, (ast.AllPos, ast.RangePos)):
+                    scope.fail(f"'as' names one position; ({ast.format_position(site.position)}) keeps one result "
+                               f"per position, named by it (RUN.L0.state_after(3)): drop 'as {st.alias}'",
+                               site.position.span)
                 for t in targets(scope, site, ctx, writing=False):
                     ops.append(read_op(scope, t, st.alias, ctx, site.span))
             except Fail:
@@ -242,8 +270,8 @@ def statement(scope: Scope, st: ast.Statement, ctx: Ctx, ops: list[Any], measure
         for t, n, count in enumerate_targets(targets(scope, st.site, ctx, writing=True)):
             src = write_source(scope, st.source, t, n, count, ctx)
             op = ResolvedOp("write", t.layer, t.value, t.position, t.step, None, None, t.written,
-                            None, t.layer_var, t.position_var, span=st.span)
-            if isinstance(src, NamedPending):
+                            None, t.layer_var, t.position_var, t.head, t.head_var, span=st.span)
+            if is_pending(src):
                 ops.append(op)
                 scope.deferred.append((ops, len(ops) - 1, src))
             else:
@@ -252,7 +280,7 @@ def statement(scope: Scope, st: ast.Statement, ctx: Ctx, ops: list[Any], measure
     if isinstance(st, ast.Measure):
         for call in st.calls:
             try:
-                measures.extend(measure(scope, call, st.alias, ctx))
+                measures.extend(measure_at(scope, measure(scope, call, st.alias, ctx), st.at, ctx))
             except Fail:
                 pass
         return
@@ -268,13 +296,14 @@ def read_op(scope: Scope, t: Target, alias: str | None, ctx: Ctx, span: Span) ->
     """A read of one target, named by DESIGN's rules; `as NAME` records what the name holds."""
     name = op_result_name(ctx.name, t.step, t.layer, t.value,
                           t.position if t.position_var is None else f"{{{t.position_var}}}",
-                          alias, t.multi, t.layer_var)
+                          alias, t.multi, t.layer_var, t.head if t.head_var is None else f"{{{t.head_var}}}")
     if alias is not None and alias in scope.aliases and scope.aliases[alias].run == ctx.name:
         entry = scope.aliases[alias]
         entry.entries[t.layer] = name
         entry.value = t.value
+        entry.head = t.head is not None or t.head_var is not None
     return ResolvedOp("read", t.layer, t.value, t.position, t.step, name, None, t.written, alias,
-                      t.layer_var, t.position_var, span=span)
+                      t.layer_var, t.position_var, t.head, t.head_var, span=span)
 
 
 # -- measures --
@@ -296,7 +325,11 @@ def measure(scope: Scope, call: ast.MeasureCall, alias: str | None, ctx: Ctx) ->
         text = f"kl({run})"
         name = measure_result_name(ctx.name, step, text, alias, None, False)
         return [ResolvedMeasure("kl", name, step, against=run, written=text, alias=alias, span=call.span)]
+    if isinstance(call, ast.Top):
+        return [top_measure(scope, call, alias, ctx)]
     out = []
+    if call.site.head is not None:
+        scope.fail("norm(...) of one head is not supported: norm takes a whole value", call.site.head.span)
     for t in targets(scope, call.site, ctx, writing=False):
         pos_shown: Any = t.position if t.position_var is None else f"{{{t.position_var}}}"
         text = f"norm({site_text(t.layer, t.value, pos_shown, t.layer_var)})"
@@ -304,6 +337,58 @@ def measure(scope: Scope, call: ast.MeasureCall, alias: str | None, ctx: Ctx) ->
         out.append(ResolvedMeasure("norm", name, t.step, layer=t.layer, value=t.value, position=t.position,
                                    written=f"norm({t.written})", alias=alias, layer_var=t.layer_var,
                                    position_var=t.position_var, span=call.span))
+    return out
+
+
+def top_measure(scope: Scope, call: ast.Top, alias: str | None, ctx: Ctx) -> ResolvedMeasure:
+    """`top(k)`: the k most likely next tokens (k as its one "token id"); not a number, so not in a sweep."""
+    if ctx.kind == "sweep":
+        scope.fail(f"top({call.k}) gives tokens, not a number, and a sweep's cells hold numbers: measure prob(...) "
+                   f"or rank(...) of a token here, or top({call.k}) in a trace", call.span)
+    vocab = len(scope.spec.tokenizer)
+    if call.k > vocab:
+        scope.fail(f"top({call.k}): the vocabulary has {vocab} tokens", call.span)
+    text = measure_call_text("top", (str(call.k),), None, "")
+    name = measure_result_name(ctx.name, ctx.step, text, alias, None, False)
+    return ResolvedMeasure("top", name, ctx.step, (call.k,), (str(call.k),), written=text, alias=alias,
+                           span=call.span)
+
+
+def measure_at(scope: Scope, ms: list[ResolvedMeasure], at: ast.IntPos | ast.PiecePos | None,
+               ctx: Ctx) -> list[ResolvedMeasure]:
+    """`measure ... at POS`: the next-token measures of the logits at POS of the run's prompt (the
+    distribution of the token after it), named `RUN.CALL at P` with P from 0. `kl(RUN) at POS` compares with
+    RUN's logits at its own position by the donor rules (-2 counts from RUN's end, 3 is RUN's token 3)."""
+    if at is None:
+        return ms
+    if ctx.kind != "trace":
+        scope.fail(f"'at' measures a position of one forward's prompt: not in a {ctx.kind} (under generate, a "
+                   f"step's logits are its last token's; in a sweep, measure the last)", at.span)
+    p = index(scope, at.value, ctx.toks, ctx.prompt, at.span) if isinstance(at, ast.IntPos) else \
+        piece(scope, at, ctx.toks, ctx.prompt)
+    out = []
+    for m in ms:
+        if m.kind not in ("prob", "rank", "logit_diff", "kl"):
+            why = "norm takes a site of its own" if m.kind == "norm" else f"not to {m.kind}"
+            scope.fail(f"'at' applies to prob, rank, logit_diff and kl (the logits of a position); {why}", at.span)
+        if m.forced:
+            scope.fail("'at' takes answers of one token: an answer of several is measured by teacher forcing "
+                       "after the prompt's last token", at.span)
+        against_at = None
+        if m.kind == "kl" and m.against is not None:
+            _, kind, dtoks = run_target(scope, m.against, m.span, ctx, "kl")
+            if kind == "generate":
+                scope.fail(f"kl({m.against}) at a position: '{m.against}' is a generate; name a trace", at.span)
+            if isinstance(at, ast.IntPos) and at.value < 0:
+                against_at = index(scope, at.value, dtoks, m.against, at.span)
+            elif p >= len(dtoks):
+                scope.fail(f"kl({m.against}) at position {p}: '{m.against}' has {len(dtoks)} tokens; a position "
+                           f"from the end (-2) counts from each run's own end", at.span)
+            else:
+                against_at = p
+        text = f"{m.written} at {p}"
+        name = measure_result_name(ctx.name, m.step, text, m.alias, None, False)
+        out.append(attrs.evolve(m, result_name=name, written=text, at=p, against_at=against_at))
     return out
 
 

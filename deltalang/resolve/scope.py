@@ -37,6 +37,7 @@ class Alias:
     entries: dict[int | None, str] = attrs.Factory(dict)  # layer -> result name
     value: str | None = None
     in_sweep: bool = False
+    head: bool = False  # a read of one head (`.head(h)`): not the whole value
 
 
 @attrs.define
@@ -68,6 +69,8 @@ class Target:
     multi: bool
     step: int | None
     raw: ast.Position | None = None  # the position as written
+    head: int | None = None  # `.head(h)`: one value head (non-negative); None: the whole value
+    head_var: str | None = None  # sweep templates: the head is this variable's
 
 
 _STATE_SHAPED = {"state_input", "state_output", "state_after"}

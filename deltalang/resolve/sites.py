@@ -16,6 +16,7 @@ import attrs
 
 from .. import ast, values
 from ..errors import Span
+from ..ir import HEAD_AXIS
 from ..tokens import PromptTokens
 from .scope import Ctx, Fail, Scope, Target
 
@@ -24,6 +25,10 @@ def targets(scope: Scope, site: ast.Site, ctx: Ctx, *, writing: bool) -> list[Ta
     """The blocks a site stands for, each with its position resolved in the run's prompt."""
     v = site.value
     verb = "write" if writing else "read"
+    if site.head is not None and (site.block is None or v not in HEAD_AXIS):
+        what = f"'{v}'" if v in values.CATALOGUE or v in values.MODEL_VALUES else "this site"
+        scope.fail(f"{what} has no head axis: .head(h) slices one value head of "
+                   f"{', '.join(HEAD_AXIS)}", site.head.span)
     if site.block is None:
         if v in values.MODEL_VALUES:
             if site.position is not None:
@@ -53,16 +58,71 @@ def targets(scope: Scope, site: ast.Site, ctx: Ctx, *, writing: bool) -> list[Ta
         hint = f"; for the state after one token write state_after({ast.format_position(site.position)})" \
             if v == "states" else ""
         scope.fail(f"'{v}' takes no position{hint}", site.position.span)
+    if isinstance(site.position, (ast.AllPos, ast.RangePos)):  # one target per position
+        return [t for p in several_positions(scope, site.position, ctx)
+                for t in targets(scope, attrs.evolve(site, position=p), ctx, writing=writing)]
     assert site.block is not None
     blocks = expand(scope, site.block, v, site.span, ctx)
     position, position_var, step = site_position(scope, site, ctx)
     raw = site.position
+    head, head_var = site_head(scope, site, ctx, writing)
     if isinstance(site.block, ast.BlockVar):  # a sweep template: one op, its block bound per point
         return [Target(None, v, position, site.block.name, position_var, ast.format_site(site), False, step,
-                       raw)]
+                       raw, head, head_var)]
     multi = isinstance(site.block, (ast.AllBlocks, ast.BlockList))
     return [Target(b, v, position, None, position_var, ast.format_site(attrs.evolve(site, block=ast.Block(b))),
-                   multi, step, raw) for b in blocks]
+                   multi, step, raw, head, head_var) for b in blocks]
+
+
+def site_head(scope: Scope, site: ast.Site, ctx: Ctx, writing: bool) -> tuple[int | None, str | None]:
+    """(head, head variable) of `SITE.head(h)`: value heads counted from 0 (negative from the last)."""
+    h, v = site.head, site.value
+    if h is None:
+        return None, None
+    if v == "state_input" and not (ctx.kind == "generate" and (ctx.step or 0) > 0):
+        scope.fail("state_input is none on a fresh prompt: one head of it exists at a decode step "
+                   "(step K: with K >= 1 in a generate)", h.span)
+    heads, key_heads = scope.spec.dims["heads"], scope.spec.dims.get("key_heads", scope.spec.dims["heads"])
+    if writing and v in ("attention_queries", "attention_keys") and key_heads != heads:
+        scope.fail(f"this model has {key_heads} query/key heads, each shared by {heads // key_heads} value heads: "
+                   f"a write of one value head's {v} would change the heads that share it; write the whole "
+                   f"value (or one head of attention_values, betas, decays or a state)", site.span)
+    if isinstance(h, ast.VarPos):
+        axis = ctx.axes.get(h.name)
+        if h.name in ctx.broken:
+            raise Fail  # its axis's error is reported
+        if axis is None or axis.kind != "head":
+            what = "is not a sweep variable" if axis is None else f"ranges over {axis.kind}s"
+            scope.fail(f"'{h.name}' {what}: head(...) takes a head number or a variable over heads "
+                       f"(over h in heads)", h.span)
+        ctx.used.add(h.name)
+        return None, h.name
+    if not -heads <= h.value < heads:
+        scope.fail(f"no head {h.value}: this model's DeltaNet blocks have {heads} value heads (0..{heads - 1}, "
+                   f"or -{heads}..-1 from the last)", h.span)
+    return h.value % heads, None
+
+
+def several_positions(scope: Scope, pos: ast.AllPos | ast.RangePos, ctx: Ctx) -> list[ast.IntPos]:
+    """`*` (every position of the prompt) or `A..B` (half-open; a negative number counts from the end, as in
+    a sweep's range), as one numbered position each: a donor reads each by the rules of a single one."""
+    shown = ast.format_position(pos)
+    if ctx.kind == "generate" and (ctx.step or 0) > 0:
+        scope.fail(f"at step {ctx.step} the model runs one token; ({shown}) names positions of the prompt, "
+                   f"computed at step 0", pos.span)
+    if isinstance(pos, ast.AllPos):
+        return [ast.IntPos(t, span=pos.span) for t in range(len(ctx.toks))]
+    if pos.start >= pos.stop:
+        scope.fail(f"the range {shown} is empty: ranges are half-open, {pos.start}..{pos.start + 1} is just "
+                   f"{pos.start}; -3..0 is the last three tokens", pos.span)
+    seen: dict[int, int] = {}
+    for t in range(pos.start, pos.stop):
+        p = index(scope, t, ctx.toks, ctx.prompt, pos.span, f"{shown} reaches {t}: ")
+        if p in seen:
+            scope.fail(f"{shown} names token {p} twice ({seen[p]} and {t}): keep both ends on one side of 0",
+                       pos.span)
+        seen[p] = t
+    return [ast.IntPos(t, span=pos.span) for t in range(pos.start, pos.stop)]
 
 
 def unknown_value(scope: Scope, site: ast.Site, block_level: bool) -> NoReturn:
@@ -121,7 +181,7 @@ def position_variable(scope: Scope, pos: ast.VarPos, ctx: Ctx) -> str:
                    f"prompt (\"Tower\"), or a sweep variable", pos.span)
     ctx.used.add(pos.name)
     if axis.kind != "position":
-        scope.fail(f"'{pos.name}' ranges over blocks, not positions: a position variable ranges over "
+        scope.fail(f"'{pos.name}' ranges over {axis.kind}s, not positions: a position variable ranges over "
                    f"numbers (t in 0..9)", pos.span)
     return pos.name
 
@@ -230,6 +290,6 @@ def block_var(scope: Scope, sel: ast.BlockVar, ctx: Ctx | None) -> list[int]:
     assert ctx is not None
     ctx.used.add(sel.name)
     if axis.kind != "block":
-        scope.fail(f"'{sel.name}' ranges over positions, not blocks: a block variable ranges over a selector "
+        scope.fail(f"'{sel.name}' ranges over {axis.kind}s, not blocks: a block variable ranges over a selector "
                    f"(L in L[linear])", sel.span)
     return list(axis.values)

@@ -9,13 +9,16 @@ until `finish_deferred()` resolves it (`named`). `run_target()` also serves
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import attrs
+from safetensors import SafetensorError, safe_open
 
 from .. import ast, values
 from ..errors import Span
-from ..ir import FromRun, Mean, Named, Scale, Zeros
+from ..ir import Arith, Const, FromRun, Load, Mean, Named, Scale, Steer, Zeros, expr_atoms, map_atoms
+from ..spec import text_config
 from ..tokens import PromptTokens
 from .scope import Ctx, Fail, Scope, Target, did_you_mean, n_tokens, shape_class, shape_of
 from .sites import expand, index, piece, position_variable, unknown_value
@@ -41,7 +44,76 @@ def write_source(scope: Scope, src: ast.Source, t: Target, n: int, count: int, c
         return NamedPending(src, t, ctx.name, ctx.toks)
     if isinstance(src, ast.MeanSource):
         return mean(scope, src, t, ctx)
+    if isinstance(src, ast.LoadSource):
+        return load(scope, src, t, ctx)
+    if isinstance(src, ast.ExprSource):
+        return expression(scope, src, t, n, count, ctx)
     return from_run(scope, src, t, n, count, ctx)
+
+
+def expression(scope: Scope, src: ast.ExprSource, t: Target, n: int, count: int, ctx: Ctx) -> Steer:
+    """`= EXPR` / `+= EXPR`: each operand resolved as the source it is (a bare name of a run or prompt is a
+    donor, as after `from`); every operand that is a tensor has the value's shape, numbers broadcast."""
+
+    def operand(e: ast.Expr) -> Any:
+        if isinstance(e, ast.BinOp):
+            return Arith(e.op, operand(e.left), operand(e.right))
+        if isinstance(e, ast.Number):
+            return Const(e.value)
+        if isinstance(e, ast.NamedSource) and e.name not in scope.aliases and (
+                e.name in scope.runs or e.name in scope.prompts or (e.name == "main" and scope.main_items)):
+            e = ast.FromSource(e.name, None, span=e.span)
+        return write_source(scope, e, t, n, count, ctx)
+
+    expr = operand(src.expr)
+    if not src.add and all(isinstance(a, Const) for a in expr_atoms(expr)):
+        scope.fail("'= EXPR' needs a value among its operands (a run, mean(...), a read's name, zeros, "
+                   "load(...)); to scale write '*= K', to add '+= K'", src.span)
+    return Steer(expr, src.add)
+
+
+def is_pending(src: Any) -> bool:
+    """Whether a source still waits for `= NAME` (itself, or an operand of its arithmetic)."""
+    if isinstance(src, Steer):
+        return any(isinstance(a, NamedPending) for a in expr_atoms(src.expr))
+    return isinstance(src, NamedPending)
+
+
+def load(scope: Scope, src: ast.LoadSource, t: Target, ctx: Ctx) -> Load:
+    """`load("file.safetensors"[, "key"])`: the file relative to the program's, read by safetensors (its
+    header only, here); the tensor's shape is the value's, with or without the batch axis of 1."""
+    if not src.path.endswith(".safetensors"):
+        scope.fail(f"load reads safetensors files only (no pickle, no code): {ast.quote(src.path)}; save it with "
+                   f"safetensors.torch.save_file", src.span)
+    base = Path(scope.filename).parent if not scope.filename.startswith("<") else Path.cwd()
+    path = Path(src.path) if Path(src.path).is_absolute() else base / src.path
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+            key = src.key if src.key is not None else (keys[0] if len(keys) == 1 else None)
+            if key is None or key not in keys:
+                what = "names no tensor" if src.key is None else f"has no tensor {ast.quote(src.key)}"
+                scope.fail(f"{path} {what}: it holds {', '.join(map(ast.quote, keys)) or 'none'}; name one: "
+                           f"load({ast.quote(src.path)}, \"KEY\")", src.span)
+            shape = tuple(f.get_slice(key).get_shape())
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # missing, unreadable, not safetensors
+        scope.fail(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", src.span)
+    want = value_shape(scope, t.value, len(ctx.toks))
+    if want is not None and shape not in (want, (1, *want)):
+        scope.fail(f"the shapes do not fit: {t.value} is {list(want)} (without the batch axis), "
+                   f"{ast.quote(key)} in {src.path} is {list(shape)}", src.span)
+    return Load(str(path.resolve()), key, src.path)
+
+
+def value_shape(scope: Scope, value: str, n: int) -> tuple[int, ...] | None:
+    """A value's shape without the batch axis, from the catalogue's and the model's dimensions."""
+    info = values.CATALOGUE.get(value)
+    if info is None or "Kimi" in info.shape and scope.spec.family.name.startswith("kimi"):
+        return None
+    d = dict(scope.spec.dims, s=n, hidden=getattr(text_config(scope.spec.config), "hidden_size", 0))
+    d["width-1"] = d.get("conv_width", 1) - 1
+    names = info.shape.split("]")[0].strip("[ ").split(", ")[1:]
+    return tuple(int(d.get(x, 0)) for x in names)
 
 
 def run_target(scope: Scope, name: str, span: Span, ctx: Ctx, what: str) -> tuple[str, str, PromptTokens]:
@@ -108,6 +180,9 @@ def from_run(scope: Scope, src: ast.FromSource, t: Target, n: int, count: int, c
         positional = values.CATALOGUE[value].positional
         if not positional and site.position is not None:
             scope.fail(f"'{value}' takes no position", site.position.span)
+        if isinstance(site.position, (ast.AllPos, ast.RangePos)):
+            scope.fail(f"a donor site names one position; `write ...({ast.format_position(site.position)}) from "
+                       f"{src.run}` reads each position's own", site.position.span)
         if positional and site.position is not None:
             raw, span = site.position, site.position.span
             if isinstance(raw, ast.VarPos):
@@ -122,7 +197,29 @@ def from_run(scope: Scope, src: ast.FromSource, t: Target, n: int, count: int, c
         step = 0  # a position of the prompt: step 0
     check_rows(scope, value, t, dtoks, f"'{run}'", src.span, ctx)
     pvar = raw.name if isinstance(raw, ast.VarPos) else None
-    return FromRun(run, layer, value, position, step, layer_var, pvar, pmap)
+    head, head_var = donor_head(scope, site, t, ctx)
+    return FromRun(run, layer, value, position, step, layer_var, pvar, pmap, head, head_var)
+
+
+def donor_head(scope: Scope, site: ast.Site | None, t: Target, ctx: Ctx) -> tuple[int | None, str | None]:
+    """The donor's head for a write of one head: the same head, or the one `from RUN.SITE.head(k)` names."""
+    if site is None or site.head is None:
+        return t.head, t.head_var  # the donor's same head (None: the whole value)
+    if t.head is None and t.head_var is None:
+        scope.fail(f"the shapes do not fit: {ast.format_site(site)} is one head, the write takes the whole "
+                   f"{t.value}; write one head too (.head(h))", site.head.span)
+    if isinstance(site.head, ast.VarPos):
+        axis = ctx.axes.get(site.head.name)
+        if axis is None or axis.kind != "head":
+            scope.fail(f"'{site.head.name}' is not a variable over heads: head(...) takes a head number or a "
+                       f"variable over heads (over h in heads)", site.head.span)
+        ctx.used.add(site.head.name)
+        return None, site.head.name
+    heads = scope.spec.dims["heads"]
+    if not -heads <= site.head.value < heads:
+        scope.fail(f"no head {site.head.value}: this model's DeltaNet blocks have {heads} value heads "
+                   f"(0..{heads - 1})", site.head.span)
+    return site.head.value % heads, None
 
 
 def donor_position(scope: Scope, raw: ast.Position | None, explicit: bool, t: Target, value: str, run: str,
@@ -184,10 +281,17 @@ def mean(scope: Scope, src: ast.MeanSource, t: Target, ctx: Ctx) -> Mean:
         else:
             scope.fail(f"unknown prompt '{name}' in mean(...)" + did_you_mean(name, list(scope.prompts)),
                        src.span)
-    if t.position_var is not None:
-        scope.fail("mean(...) at a sweep variable's position is not supported: name the position", src.span)
-    positions: list[int] = []
     label = "mean(" + ", ".join(src.prompts) + ")"
+    if t.position_var is not None:  # each value of the variable, in each prompt by the rules of `from`
+        axis = ctx.axes[t.position_var]
+        pmap = tuple((v, tuple(index(scope, lab if lab < 0 else v, scope.tokens(text), label, src.span,
+                                     f"{t.position_var} = {lab} in a prompt of {label}: ") for text in texts))
+                     for v, lab in zip(axis.values, axis.labels, strict=True))
+        for text in texts:
+            check_rows(scope, t.value, t, scope.tokens(text), f"the prompt {ast.quote(text)} of {label}", src.span,
+                       ctx)
+        return Mean(tuple(src.prompts), tuple(texts), None, t.position_var, pmap)
+    positions: list[int] = []
     for text in texts:
         toks = scope.tokens(text)
         pos, _ = donor_position(scope, t.raw, False, t, t.value, label, "trace", toks, src.span, ctx)
@@ -201,7 +305,12 @@ def finish_deferred(scope: Scope) -> None:
     """Resolve `= NAME` sources now that every read's result names are known."""
     for ops, i, pending in scope.deferred:
         try:
-            ops[i] = attrs.evolve(ops[i], source=named(scope, pending))
+            if isinstance(pending, Steer):
+                source: Any = attrs.evolve(pending, expr=map_atoms(
+                    pending.expr, lambda a: named(scope, a) if isinstance(a, NamedPending) else a))
+            else:
+                source = named(scope, pending)
+            ops[i] = attrs.evolve(ops[i], source=source)
         except Fail:
             ops[i] = None
     scope.deferred = []
@@ -209,6 +318,9 @@ def finish_deferred(scope: Scope) -> None:
 
 def named(scope: Scope, p: NamedPending) -> Named:
     src, t = p.src, p.target
+    if t.head is not None or t.head_var is not None:
+        scope.fail("a write of one head takes from RUN, from RUN.SITE.head(k), zeros, *= K or mean(...); "
+                   "'= NAME' is not supported there", src.span)
     entry = scope.aliases.get(src.name)
     if entry is None:
         if src.name in scope.runs or src.name in scope.prompts:
@@ -222,6 +334,9 @@ def named(scope: Scope, p: NamedPending) -> Named:
         scope.fail(f"'{src.name}' is read in a sweep, one value per point: it cannot feed a write", src.span)
     if not entry.entries or entry.value is None:
         raise Fail  # the read itself did not resolve; its error is reported there
+    if entry.head:
+        scope.fail(f"'{src.name}' holds one head of {entry.value} (a read with .head(h)), and the write takes "
+                   f"the whole value", src.span)
     if shape_class(entry.value) != shape_class(t.value):
         scope.fail(f"the shapes do not fit: {t.value} is {shape_of(t.value)}, '{src.name}' holds {entry.value} "
                    f"({shape_of(entry.value)})", src.span)

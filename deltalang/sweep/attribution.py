@@ -11,10 +11,10 @@ rule's adjoint scan, one block's per-token states at a time, two with the donor'
 - `plain`: g at the clean run (first-order attribution patching);
 - `blk<k>` (path "blocks", the default): for each block L, g averaged over k points a = (j + 1/2)/k
   of a path on which block L's kernel output moves from the clean run's to the donor's (all of
-  block L's cells together, the rest of the model recomputed; one pass per block, the k points
-  as rows). The patch of one cell changes block L's outputs linearly (its inputs do not depend
-  on its state), so the path follows what the patch does downstream, where the response is
-  switch-like; k passes' worth of work per block;
+  block L's cells together, the rest of the model recomputed; one pass per block from block L on,
+  the k points as rows: `paths.block_paths`). The patch of one cell changes block L's outputs
+  linearly (its inputs do not depend on its state), so the path follows what the patch does
+  downstream, where the response is switch-like; k rows through blocks L.. per block;
 - `out<k>` (path "outputs"): every swept block's output moved together, k passes in all (EAP-IG);
 - `emb<k>` (path "embeddings"): the input embeddings moved from the clean prompt's to the donor's.
 The integrated variants need one donor prompt of the clean prompt's length, or (paths blocks and
@@ -25,6 +25,8 @@ With `refine=K` the K cells of largest |default estimate| (first measure) run ex
 `exact` (the sweep engine, `driver.run_sweeps`), the sweep narrowed to those cells, one sweep per
 block. Returns an `Attribution`: rows of estimates (and exact values where refined), the table
 text and `DIR/attribution.csv` with `out`. The model's weights and their grads are left as they were.
+`method_of` reads a sweep's `method attribution [steps K] [refine K] [path P]` (the caller's options
+replace it); `refuse_estimated` keeps the exact engine from running such a sweep cell by cell.
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ import torch
 from .. import gradients
 from ..compiled import Experiment
 from ..ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
-from ..model import DeltaModel, decoder_layers
+from ..model import DeltaModel
 from .errors import DeltaSweepError
 from .job import measure_label
+from .paths import PATHS, PathEnds, gradient_runs, ids_of, measure_of, record_forward
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
 DEFAULT_STEPS = 4
-PATHS = {"outputs": "out", "embeddings": "emb", "blocks": "blk"}  # path -> the prefix of its variant's name
 DEFAULT_PATH = "blocks"
 
 
@@ -125,7 +127,10 @@ def describe(variant: str) -> str:
     """What a variant's column is."""
     if variant == "plain":
         return "plain (gradient at the clean run)"
-    return f"{variant} (gradient averaged over {variant[2:]} points of the embedding path clean -> donor)"
+    k = variant.lstrip("abcdefghijklmnopqrstuvwxyz")
+    moved = {"blk": "each block's own output", "out": "every block's output together",
+             "emb": "the input embeddings"}[variant[: len(variant) - len(k)]]
+    return f"{variant} (gradient averaged over {k} points of a path taking {moved} from the clean run's to the source's)"
 
 
 # -- reading the sweep -------------------------------------------------------------------------
@@ -154,7 +159,8 @@ def target_of(exp: Experiment) -> Target:
             raise DeltaSweepError(f"sweep {sw.name}: attribution estimates writes only (no reads in the body)")
         block, pos = ops[0].layer, ops[0].position
         for op in ops:
-            if op.value not in VALUES or op.layer != block or op.position != pos or op.step not in (None, 0):
+            if op.value not in VALUES or op.layer != block or op.position != pos or op.step not in (None, 0) \
+                    or op.head is not None:
                 raise DeltaSweepError(
                     f"sweep {sw.name}: attribution estimates writes of {' and '.join(VALUES)} at the cell's "
                     f"block and position; {op.written} is not one")
@@ -178,108 +184,6 @@ def _run(exp: Experiment, name: str) -> ResolvedRun:
         if r.name == name:
             return r
     raise DeltaSweepError(f"no run named {name!r}")
-
-
-# -- recording forwards --------------------------------------------------------------------------
-
-
-def _ids(model: DeltaModel, text: str) -> torch.Tensor:
-    hf = model._module
-    return torch.tensor([model.spec.token_ids(text)], device=next(hf.parameters()).device)
-
-
-def measure_of(m: ResolvedMeasure, logits: torch.Tensor) -> torch.Tensor:
-    """The measure per row, differentiable, of the next-token logits `[b, s, vocab]`: `[b]`."""
-    x = logits[:, -1].float()
-    if m.kind == "prob":
-        return x.softmax(-1)[:, m.token_ids[0]]
-    return x[:, m.token_ids[0]] - x[:, m.token_ids[1]]
-
-
-def _record(model: DeltaModel, blocks: Sequence[int], ids: torch.Tensor | None = None,
-            embeds: torch.Tensor | None = None, measure: ResolvedMeasure | None = None,
-            shifts: dict[int, torch.Tensor] | None = None) -> gradients.Recording:
-    """One forward of `ids` (or input embeddings) recording `blocks`; with `measure`, its gradients."""
-    hf = model._module
-    layers = decoder_layers(hf)
-    attr = model.family.mixer_attr
-
-    def forward() -> torch.Tensor:
-        kw: dict[str, Any] = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
-        return hf(**kw, use_cache=False, logits_to_keep=1).logits
-
-    with torch.set_grad_enabled(measure is not None):
-        rec = gradients.record(hf, model.family, sorted(set(blocks)), lambda i: getattr(layers[i], attr), forward,
-                               shifts)
-        if measure is not None:
-            rec.backward(measure_of(measure, rec.result).sum())  # rows are independent: each its own gradient
-    rec.result = rec.result.detach()
-    return rec
-
-
-def _with_frozen_weights(model: DeltaModel) -> list[torch.nn.Parameter]:
-    """Stop weight gradients (only activation gradients are wanted); returns what to give back."""
-    frozen = [p for p in model._module.parameters() if p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(False)
-    return frozen
-
-
-def gradient_runs(model: DeltaModel, target: Target, steps: int, path: str, clean: gradients.Recording,
-                  donor: gradients.Recording | None) -> dict[str, dict[str, Any]]:
-    """{measure label: {variant: recordings whose gradients that variant averages}}.
-
-    `path` "outputs": at point a every swept block's kernel output is shifted by a * (donor's - clean's);
-    "embeddings": the input embeddings are (1 - a) * clean's + a * donor's; "blocks": each block's
-    own path, only its output shifted (k recordings per block: {block: recordings}).
-    """
-    blocks = sorted({b for b, _ in target.cells})
-    ids = _ids(model, target.sweep.prompt_text)
-    embed = model._module.get_input_embeddings()
-    out: dict[str, dict[str, Any]] = {}
-    frozen = _with_frozen_weights(model)
-    try:
-        for m in target.measures:
-            variants: dict[str, Any] = {}
-            x0 = embed(ids).detach()
-            variants["plain"] = [_record(model, blocks, embeds=x0.clone().requires_grad_(True), measure=m)]
-            if steps > 0:
-
-                def goal(b: int) -> torch.Tensor:  # where block b's output goes: the donor's, or factor x its own
-                    return _out(donor, b) if donor is not None else (target.factor or 0.0) * _out(clean, b)
-
-                if path == "blocks":  # each block's own path: one pass per block, its k points as rows
-                    a = (torch.arange(steps, dtype=torch.float32, device=x0.device) + 0.5) / steps
-                    variants[f"{PATHS[path]}{steps}"] = {
-                        b: [_record(model, [b], embeds=x0.expand(steps, -1, -1).clone().requires_grad_(True),
-                                    measure=m, shifts={b: a[:, None, None, None] * (goal(b) - _out(clean, b))})]
-                        for b in blocks}
-                    out[measure_label(m)] = variants
-                    continue
-                recs = []
-                for j in range(steps):
-                    a = (j + 0.5) / steps
-                    if path == "embeddings":
-                        assert target.donor is not None
-                        x1 = embed(_ids(model, target.donor)).detach()
-                        x = (x0 + a * (x1 - x0)).requires_grad_(True)
-                        recs.append(_record(model, blocks, embeds=x, measure=m))
-                    else:
-                        shifts = {b: a * (goal(b) - _out(clean, b)) for b in blocks}
-                        recs.append(_record(model, blocks, embeds=x0.clone().requires_grad_(True), measure=m,
-                                            shifts=shifts))
-                variants[f"{PATHS[path]}{steps}"] = recs
-            out[measure_label(m)] = variants
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
-    return out
-
-
-def _out(rec: gradients.Recording, block: int) -> torch.Tensor:
-    got = rec.blocks[block].out
-    assert got is not None
-    return got.detach()
 
 
 def check_path(model: DeltaModel, target: Target, steps: int, path: str) -> None:
@@ -357,7 +261,7 @@ def _source_runs(model: DeltaModel, exp: Experiment, target: Target) -> dict[str
                 for n, text in enumerate(src.texts):
                     layers.setdefault(f"mean:{n}", set()).add(op.layer)
                     texts[f"mean:{n}"] = text
-    return {k: _record(model, sorted(v), ids=_ids(model, texts[k])) for k, v in layers.items()}
+    return {k: record_forward(model, sorted(v), ids=ids_of(model, texts[k])) for k, v in layers.items()}
 
 
 def estimates(model: DeltaModel, target: Target, clean: gradients.Recording,
@@ -410,9 +314,56 @@ def narrowed(exp: Experiment, target: Target, cells: Sequence[tuple[int, int]]) 
         ps = tuple(sorted(p for b, p in cells if b == block))
         axes = tuple(attrs.evolve(block_axis, values=(block,), labels=(block,)) if a.kind == "block" else
                      attrs.evolve(pos_axis, values=ps, labels=tuple(label[p] for p in ps)) for a in sw.axes)
-        runs.append(attrs.evolve(sw, name=f"{sw.name}_L{block}", axes=axes))
+        runs.append(attrs.evolve(sw, name=f"{sw.name}_L{block}", axes=axes, method=None))
     resolved = attrs.evolve(exp.resolved, runs=tuple(runs))
     return Experiment(exp.source, exp.model, resolved=resolved)
+
+
+@attrs.frozen
+class Method:
+    """How `run_sweep` / `deltalang sweep` run a program's sweep by attribution (see `method_of`)."""
+
+    steps: int | None
+    refine: int
+    path: str
+
+
+def method_of(exp: Experiment, method: str | None = None, steps: int | None = None, refine: int | None = None,
+              path: str | None = None) -> Method | None:
+    """The program's `method attribution ...` with the caller's options over it; None: the exact engine.
+
+    `method` None takes the program's; "exact" against a program's `method attribution` is a conflict;
+    `steps`, `refine`, `path` given (not None) replace the program's. A program declaring attribution
+    has one sweep (the one estimated)."""
+    if method not in (None, "exact", "attribution"):
+        raise DeltaSweepError(f"method is 'exact' or 'attribution', got {method!r}")
+    sweeps = [r for r in exp.resolved.runs if r.kind == "sweep"]
+    said = [r for r in sweeps if r.method is not None and r.method.name == "attribution"]
+    if said and method == "exact":
+        raise DeltaSweepError(f"sweep {said[0].name} says method attribution, which method='exact' (or no "
+                              f"--attribution flag where one is required) contradicts: drop one of them")
+    if said and len(sweeps) > 1:
+        raise DeltaSweepError(f"sweep {said[0].name} says method attribution, which estimates a program's one sweep; "
+                              f"this program has {len(sweeps)}: put the others in another file")
+    if method is None and not said:
+        if steps is not None or refine is not None or path is not None:
+            raise DeltaSweepError("steps, refine and path are options of method attribution; the program's sweeps "
+                                  "run exactly (say method attribution)")
+        return None
+    if method == "exact":
+        return None
+    own = said[0].method if said else None
+    return Method(steps if steps is not None else own.steps if own else None,
+                  refine if refine is not None else (own.refine or 0) if own else 0,
+                  path if path is not None else (own.path or DEFAULT_PATH) if own else DEFAULT_PATH)
+
+
+def refuse_estimated(exp: Experiment) -> None:
+    """The exact engine's guard: a sweep that says `method attribution` is not run cell by cell."""
+    for r in exp.resolved.runs:
+        if r.kind == "sweep" and r.method is not None and r.method.name == "attribution":
+            raise DeltaSweepError(f"sweep {r.name} says method attribution, which deltalang.run_sweep and "
+                                  f"`deltalang sweep` run (here every cell would run exactly)")
 
 
 def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out: str | Path | None = None,
@@ -429,10 +380,11 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
         raise DeltaSweepError(f"path is one of {', '.join(PATHS)}, got {path!r}")
     check_path(model, target, steps, path)
     blocks = sorted({b for b, _ in target.cells})
-    clean = _record(model, blocks, ids=_ids(model, target.sweep.prompt_text))
+    clean = record_forward(model, blocks, ids=ids_of(model, target.sweep.prompt_text))
     donors = _source_runs(model, exp, target)
     donor = next(iter(donors.values())) if target.donor is not None else None
-    runs = gradient_runs(model, target, steps, path, clean, donor)
+    ends = PathEnds(target.sweep.prompt_text, clean, donor, target.donor, target.factor)
+    runs = gradient_runs(model, blocks, target.measures, steps, path, ends)
     est = estimates(model, target, clean, donors, runs)
     variants = list(next(iter(runs.values())).keys())
     default = variants[-1]

@@ -59,6 +59,7 @@ from ..results import save_atomically
 from .driver import SweepOutcome, _console_for, run_sweeps
 from .job import Normalise
 from .job import measure_label as cell_measure_label
+from .inline import dataset_sweep_html
 from .plots import colour_label, heatmap, slug
 
 if TYPE_CHECKING:
@@ -143,6 +144,10 @@ class DatasetSweepResults:
     def columns(self) -> list[str]:
         return ["record", "line", *self.dataset.fields, "sweep", *self.variables, "measure", "value"]
 
+    def _repr_html_(self) -> str:
+        """Notebooks: what `summary()` prints, as HTML tables with each grid's heatmap inline (`sweep.inline`)."""
+        return dataset_sweep_html(self)
+
     def save(self, directory: str | Path) -> Path:
         """Write `FILES` and the heatmaps into `directory`, each replacing its former version at once."""
         return save_atomically(directory, self._write)
@@ -189,6 +194,10 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     program = parse(source, filename)
+    said = [i for i in program.items if isinstance(i, ast.Sweep) and i.method and i.method.name == "attribution"]
+    if said:
+        raise DeltaError(f"sweep {said[0].name}: method attribution estimates a sweep over one prompt, "
+                         f"not yet over a dataset (say method exact, or sweep one record's prompts)")
     if datasets is None:
         datasets = load_datasets(source, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)

@@ -23,7 +23,7 @@ from ..model import DeltaModel
 from ..compiled import Experiment
 from ..html import NotebookProgress
 from ..results import Results
-from .attribution import Attribution, attribute
+from .attribution import Attribution, attribute, method_of, refuse_estimated
 from .engine import Context, baselines, run_job
 from .errors import DeltaSweepError
 from .inline import outcome_html
@@ -118,7 +118,7 @@ def _work_share(model: DeltaModel, job: SweepJob, cells: Sequence[Cell]) -> floa
 
 
 def _describe(model: DeltaModel, job: SweepJob, cells: Sequence[Cell], batch: int) -> str:
-    axes = " x ".join(f"{a.var}: {len(a.values)} {'blocks' if a.kind == 'block' else 'positions'}"
+    axes = " x ".join(f"{a.var}: {len(a.values)} {a.kind}s"
                       for a in job.run.axes)
     head = f"sweep {job.name}: {len(job.cells)} cells ({axes})"
     if len(cells) < len(job.cells):
@@ -149,6 +149,7 @@ def run_sweeps(exp: Experiment, *, out: str | Path | None = None, resume: bool =
         raise DeltaSweepError(f"--batch-size must be at least 1, got {batch_size}")
     if resume and out is None:
         raise DeltaSweepError("--resume continues the sweep in an --out directory: give --out DIR")
+    refuse_estimated(exp)
     model = exp.model
     norm = Normalise.parse(normalise)
     support = Support(exp.resolved)
@@ -264,20 +265,21 @@ def _results_of(job: SweepJob, cell: Cell, rows: Sequence[ResultRow]) -> dict[st
 def run_sweep(source: str, model: Any = None, *, out: str | Path | None = None, resume: bool = False,
               batch_size: int | None = None, normalise: str | Mapping[str, str] | Normalise | None = None,
               progress: bool | None = None, filename: str = "<program>", prompt: str | None = None,
-              engine: str = "auto", on_chunk: Callable[[int], None] | None = None, method: str = "exact",
-              steps: int | None = None, refine: int = 0, path: str = "blocks") -> SweepOutcome | Attribution:
+              engine: str = "auto", on_chunk: Callable[[int], None] | None = None, method: str | None = None,
+              steps: int | None = None, refine: int | None = None, path: str | None = None
+              ) -> SweepOutcome | Attribution:
     """Compile and run a program with sweeps; see `run_sweeps` for the options.
 
         outcome = deltalang.run_sweep(text, out="runs/ablate", normalise="clean=clean,corrupted=other")
         outcome.tables[0].grid('prob(" Paris")')
 
-    `method="attribution"`: estimate every cell of the first sweep from gradients instead (`steps`
-    points of the integrated `path`, `refine` top cells run exactly; `sweep.attribution`).
+    `method="attribution"` (or the sweep's own `method attribution`): estimate every cell of the sweep
+    from gradients instead (`steps` points of the integrated `path`, `refine` top cells run exactly;
+    given here they replace the program's; `sweep.attribution`).
     """
     exp = Experiment.from_source(source, model, filename=filename, prompt=prompt)
-    if method == "attribution":
-        return attribute(exp, steps=steps, refine=refine, out=out, exact=run_sweeps, path=path)
-    if method != "exact":
-        raise DeltaSweepError(f"method is 'exact' or 'attribution', got {method!r}")
+    how = method_of(exp, method, steps, refine, path)
+    if how is not None:
+        return attribute(exp, steps=how.steps, refine=how.refine, out=out, exact=run_sweeps, path=how.path)
     return run_sweeps(exp, out=out, resume=resume, batch_size=batch_size, normalise=normalise, progress=progress,
                       engine=engine, on_chunk=on_chunk)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import html
 from ..results import for_display
-from .plots import plot_table
+from .plots import colour_label, heatmap, plot_table, slug
 from .store import CSV_NAME
 
 if TYPE_CHECKING:
@@ -83,4 +83,48 @@ def outcome_html(outcome: Any) -> str:
     others = [k for k in results if not k.startswith(prefixes)]
     if others:  # their lines of the whole summary (cells are in the tables)
         parts.append(html.summary_table(results.summary(), list(results), title="other results", keep=others))
+    return "<div>" + "".join(parts) + "</div>"
+
+
+def _stats_row(s: Any) -> tuple[str, str, int, str]:
+    return f"{s.mean:.4f}", f"{s.std:.4f}", s.n, f"[{s.ci_low:.4f}, {s.ci_high:.4f}]"
+
+
+def dataset_sweep_html(results: Any) -> str:
+    """A `DatasetSweepResults` (read through its attributes) as `summary()` prints it, in HTML.
+
+    Per sweep and measure: a two-axis sweep's grid of the mean over the records (the first axis
+    down, as the terminal) and its heatmap inline, as `save` writes it; any other sweep's cells
+    with mean, std, n and 95% CI; then the program's other traces' statistics and the records left out.
+    """
+    ds = results.dataset
+    n = len(ds.records)
+    title = f"{n - len(results.skipped)} of {n} records of '{ds.name}'" + (
+        f"; normalised against {results.normalise}" if results.normalise else "")
+    parts = [f"<div><b>{html.escape(title)}</b></div>"]
+    with tempfile.TemporaryDirectory(prefix="deltalang-plots-") as tmp:
+        for sweep, axes in results.axes.items():
+            for m in results.measures(sweep):
+                kind = "normalised" if m.startswith("normalised(") else m.split("(")[0]
+                if len(axes) == 2:
+                    rows, cols, grid = results.grid(sweep, m)
+                    body = [(r, *(_fmt(x, kind) for x in row)) for r, row in zip(rows, grid)]
+                    parts.append(html.table([f"{axes[0][0]} \\ {axes[1][0]}", *cols], body,
+                                            title=f"{sweep}: {m}, mean over records", right=range(1, len(cols) + 1)))
+                    png = heatmap(grid, cols, rows, f"{sweep}: {m}\nmean over records", axes[1][0], axes[0][0],
+                                  Path(tmp) / f"{sweep}-{slug(m)}.png", kind=kind, label=colour_label(m, kind))
+                    parts.append(html.image(png.read_bytes(), alt=f"{sweep}: {m}"))
+                    continue
+                cells = [c for c in results.stats if c.sweep == sweep and c.stats.measure == m]
+                body2 = [(", ".join(f"{k}={v}" for k, v in c.point), *_stats_row(c.stats)) for c in cells]
+                parts.append(html.table(["cell", "mean", "std", "n", "95% CI"], body2, title=f"{sweep}: {m}",
+                                        right=(1, 2, 3, 4)))
+    others = [c.stats for c in results.stats if c.sweep not in results.axes]
+    if others:
+        parts.append(html.table(["measure", "mean", "std", "n", "95% CI"],
+                                [(s.measure, *_stats_row(s)) for s in others], title="other runs",
+                                right=(1, 2, 3, 4)))
+    if results.skipped:
+        parts.append(html.table(["record", "why"], [(ds.where(ds.records[i]), why) for i, why in results.skipped],
+                                title=f"left out {len(results.skipped)} of {n} records (strict=True stops instead)"))
     return "<div>" + "".join(parts) + "</div>"

@@ -16,6 +16,7 @@ import attrs
 
 from ..ir import (
     FromRun,
+    Load,
     Mean,
     Named,
     Resolved,
@@ -23,6 +24,7 @@ from ..ir import (
     ResolvedOp,
     ResolvedRun,
     Scale,
+    Steer,
     measure_result_name,
 )
 from ..compiled import Experiment
@@ -78,12 +80,16 @@ def fast_path_blocker(resolved: Resolved, run: ResolvedRun) -> str | None:
     for op in run.ops:
         if op.kind == "read":
             return f"it reads {op.written}: reads give a tensor per cell, which only full forwards serve"
+        if op.head is not None or op.head_var is not None:
+            return f"it writes {op.written}: the engine recomputes whole values, not one head"
         if op.value not in FAST_VALUES:
             return f"it writes {op.written}: the engine recomputes writes of state_after(t) and conv_window_after(t)"
         if op.step is not None:
             return f"it writes {op.written} at a step"
         if isinstance(op.source, Named):
             return f"'{op.written} = NAME' takes a value read in another run"
+        if isinstance(op.source, (Steer, Load)):
+            return f"'{op.written}' is written by arithmetic over sources or load(...)"
         if isinstance(op.source, Scale) and any(
                 (w.layer, w.layer_var, w.position, w.position_var) != (op.layer, op.layer_var, op.position,
                                                                        op.position_var) for w in writes):

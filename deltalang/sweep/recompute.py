@@ -317,7 +317,9 @@ def _direct_writes(rows: Sequence[Row], layer: int, start: int) -> dict[tuple[st
 
 
 def device_of(model: DeltaModel) -> torch.device:
-    return next(model._module.parameters()).device
+    """Where inputs start: the first parameter's device that is not `meta` (offloaded to disk by accelerate,
+    whose hooks move inputs to each module's own device)."""
+    return next((p.device for p in model._module.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
 def dtype_of(model: DeltaModel, value: str) -> torch.dtype:

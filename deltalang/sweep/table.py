@@ -68,6 +68,8 @@ class SweepTable:
         """`L3` for a block, `5 ␣Tower` for a position."""
         if axis.kind == "block":
             return f"L{value}"
+        if axis.kind == "head":
+            return f"head {value}"
         tok = self.tokens[value] if 0 <= value < len(self.tokens) else "?"
         return f"{value} {tok}"
 

@@ -1,0 +1,42 @@
+"""Which runs of one stage share a forward: `batch_stage()`, the planner's third decision (see `plan`).
+
+Traces of a stage with the same kernel route share forwards of at most `BATCH_TOKENS` padded tokens
+(sorted by length, so little is padded); each generate runs alone. Batching never changes a result: the
+shorter runs are left-padded and every value is still the run's own (`plan`'s module doc says how).
+Works on anything with `kind`, `route` and `n_tokens` (a `plan.RunPlan`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, TypeVar
+
+R = TypeVar("R", bound=Any)
+
+
+BATCH_TOKENS = 16384  # at most this many (padded) tokens in one shared forward
+
+
+def batch_stage(stage: Sequence[R], batch: bool = True, max_tokens: int = BATCH_TOKENS) -> list[list[R]]:
+    """Traces of one stage with one route share forwards; each generate runs alone.
+
+    A shared forward holds runs of similar length (sorted by length, so little is padded) up to
+    `max_tokens` padded tokens. Runs of different lengths are left-padded in it; every value is still
+    the run's own (see the module doc and `Pass.padded`).
+    """
+    groups: list[list[R]] = []
+    traces: dict[str | None, list[R]] = {}
+    for run in stage:
+        if run.kind == "generate" or not batch:
+            groups.append([run])
+        else:
+            traces.setdefault(run.route, []).append(run)
+    shared: list[list[R]] = []
+    for runs in traces.values():
+        current: list[R] = []
+        for run in sorted(runs, key=lambda r: r.n_tokens):  # stable: source order within a length
+            if current and (len(current) + 1) * run.n_tokens > max_tokens:
+                shared.append(current)
+                current = []
+            current.append(run)
+        shared.append(current)
+    return shared + groups

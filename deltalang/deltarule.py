@@ -1,0 +1,286 @@
+"""The delta rule itself, for what transformers' kernels do not give: every token's state, one token's read.
+
+Contract:
+- `per_token(fam, q, k, v, g, beta, initial_state, l2)` returns (outputs `[b, s, h, dv]` in the
+  query's dtype, states `[b, s, h, dk, dv]` float32, whatever the inputs' dtype or device): the
+  state after every token, computed in chunks of `CHUNK` tokens with batched matrix products and
+  a loop over chunks only (never over tokens). `final_state=True` returns (outputs, the state
+  after the last token) without materialising the others.
+- `per_token_loop` is the same recurrence token by token: the tests' plain statement of it.
+- `prepare` is the kernels' own preprocessing (float32, heads first, l2-norm, 1/sqrt(dk), repeated
+  key heads); `read_state` is one token's read `q_t @ S` of a (replaced) state.
+- Inside `reusing()` (a traced forward: `DeltaModel.interleave`), the states of one call are
+  written into the buffer of an earlier call when nothing references that buffer any more (no
+  tensor, no view: the storage's use count says so), which saves the fresh allocation's page
+  faults per block; the buffer is dropped by `release()` (after the forward's last DeltaNet
+  block) and when the outermost `reusing()` ends. A tensor returned
+  here is never overwritten while anything can still see it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from . import families
+
+# chunk length of the chunked `per_token`: materialising the states costs s * CHUNK * dk * dv
+# multiply-adds per head, the scan over chunks s / CHUNK sequential steps
+CHUNK = 16
+# the states are written a group of chunks at a time, about this many bytes, so that adding the
+# chunk's starting state finds them still in cache
+_BLOCK_BYTES = 8 << 20
+
+
+def prepare(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            g: torch.Tensor, beta: torch.Tensor, use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
+    """The kernel's own preprocessing: float32, heads first, l2-norm, 1/sqrt(dk), repeated heads.
+
+    Returns q, k, v `[b, h, s, d]`, g `[b, h, s]` (Kimi: `[b, h, s, dk]`), beta `[b, h, s]`.
+    """
+    heads = value.shape[-2]
+    if key.shape[-2] != heads:
+        rep = heads // key.shape[-2]
+        query = query.repeat_interleave(rep, dim=2)
+        key = key.repeat_interleave(rep, dim=2)
+    # contiguous, so that a slice of the sequence reduces in the same order as the whole
+    q, k, v, b_, gg = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (query, key, value, beta, g))
+    return _read_query(fam, q, use_qk_l2norm), _normed(fam, k, use_qk_l2norm), v, gg, b_
+
+
+def _normed(fam: families.Family, x: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
+    """A float32 query or key as the kernel normalises it: l2-norm over key_dim, when it asks for it."""
+    return getattr(fam.module, "l2norm")(x, dim=-1, eps=1e-6) if use_qk_l2norm else x
+
+
+def _read_query(fam: families.Family, q: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
+    """A float32 query, heads repeated, as the kernel reads the state with it: normalised, times 1/sqrt(dk)."""
+    q = _normed(fam, q, use_qk_l2norm)
+    return q * (q.shape[-1] ** -0.5)
+
+
+def _start_state(initial_state: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The state a delta-rule call starts from, float32: `initial_state`, or zeros of `shape`."""
+    if initial_state is None:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return initial_state.to(device=device, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------
+# The buffer the states of one call may reuse (inside `reusing()` only).
+# --------------------------------------------------------------------------
+
+_REUSE = [0]  # depth of `reusing()` blocks
+_SCRATCH: list[torch.Tensor] = []  # at most one buffer
+
+
+@contextmanager
+def reusing() -> Iterator[None]:
+    """Let the calls inside reuse one states buffer, once nothing references it; drop it at the end."""
+    _REUSE[0] += 1
+    try:
+        yield
+    finally:
+        _REUSE[0] -= 1
+        if _REUSE[0] == 0:
+            _SCRATCH.clear()
+
+
+def release() -> None:
+    """Drop the buffer kept for reuse (the forward's last DeltaNet block has run: `MixerSite`)."""
+    _SCRATCH.clear()
+
+
+def _unreferenced(buf: torch.Tensor) -> bool:
+    """Whether only `_SCRATCH` holds `buf`'s memory (no tensor or view of it is alive elsewhere)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # cannot tell: never reuse
+        return False
+    storage = buf.untyped_storage()
+    return int(count(storage._cdata)) == 2  # `buf` and the `storage` object just made
+
+
+def _states_buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    if _REUSE[0] and _SCRATCH:
+        buf = _SCRATCH[0]
+        if buf.device == device and buf.numel() >= numel and _unreferenced(buf):
+            return buf[:numel].view(shape)
+    buf = torch.empty(numel, dtype=torch.float32, device=device)
+    if _REUSE[0]:
+        _SCRATCH[:] = [buf]
+    return buf.view(shape)
+
+
+# --------------------------------------------------------------------------
+# The chunked delta rule.
+# --------------------------------------------------------------------------
+
+
+def _inverse_unit_lower(a: torch.Tensor) -> torch.Tensor:
+    """`(I + a)^-1` for `a` strictly lower triangular `[..., C, C]`: forward substitution over rows,
+    each step batched over every chunk (the form transformers' chunked kernel uses)."""
+    x = -a
+    for i in range(1, a.shape[-1]):  # clones: autograd keeps what each step read
+        row, sub = x[..., i, :i].clone(), x[..., :i, :i].clone()
+        x[..., i, :i] = row + (row[..., None] * sub).sum(-2)
+    return x + torch.eye(a.shape[-1], dtype=x.dtype, device=x.device)
+
+
+def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
+              use_qk_l2norm: bool, chunk_size: int = CHUNK,
+              final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule keeping every state, in chunks: batched matrix products, a loop over chunks only.
+
+    Within a chunk starting from state S0, with cumulative log decay G_t from the chunk's start
+    (per key channel for Kimi), S_t = exp(G_t) * S0 + sum_{j<=t} exp(G_t - G_j) * k_j^T u_j, where
+    the corrections u (the delta rule's `beta * (v - k S)`) solve one unit-lower-triangular system
+    per chunk (the UT form transformers' chunked kernel uses). Equal to `per_token_loop` within
+    float32 noise.
+
+    Returns (outputs `[b, s, h, dv]` in the query dtype, states `[b, s, h, dk, dv]` float32), or
+    with `final_state` (outputs, the state after the last token `[b, h, dk, dv]`).
+    """
+    q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    S0 = _start_state(initial_state, (b, h, dk, dv), v.device)
+    per_head = gg.dim() == 3  # one decay per head, else per key channel (Kimi)
+    if per_head:
+        gg = gg[..., None]
+    C = chunk_size
+    pad = (-s) % C
+    n = (s + pad) // C
+    # padding: zero keys and betas write nothing, zero log decay keeps the state; (b, h) merged
+    q, k, v, gg = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b * h, n, C, -1) for x in (q, k, v, gg))
+    bb = torch.nn.functional.pad(bb, (0, pad)).reshape(b * h, n, C, 1)
+    cum = gg.cumsum(dim=2)  # [bh, n, C, 1 or dk]
+    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    if per_head:  # decay[t, j] = exp(G_t - G_j) for j <= t: [bh, n, C, C]; no key-sized product needed
+        c = cum[..., 0]
+        decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()
+        system = ((k * bb) @ k.transpose(-1, -2)) * decay
+        kd = None
+    else:  # kd[t, j, a] = exp(G_t - G_j)[a] * k_j[a] for j <= t, else 0: [bh, n, C, C, dk]
+        kd = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
+        kd = kd * k[..., None, :, :]
+        system = (kd @ (k * bb)[..., None])[..., 0]  # beta_t k_t . kd[t, j]
+        decay = None
+    inverse = _inverse_unit_lower(system.tril(-1))
+    u0 = inverse @ (v * bb)
+    w = inverse @ (k * bb * cum.exp())
+    starts, u = _scan(S0.reshape(b * h, dk, dv), u0, w, k, cum)
+    out = _unchunk(_chunk_outputs(q, k, kd, decay, cum, starts, u), b, h, s, query.dtype)
+    if final_state:
+        return out, starts[n].reshape(b, h, dk, dv)
+    return out, _chunk_states(k, kd, decay, cum, starts, u, b)[:, :s]
+
+
+def _scan(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
+          cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan over chunks: each chunk's starting state `[n + 1, bh, dk, dv]` (the last: the final
+    state) and its corrections `u = u0 - w S0` `[bh, n, C, dv]`."""
+    bh, n, C, dv = u0.shape
+    last = cum[:, :, -1:, :]  # [bh, n, 1, 1 or dk]
+    k_last = (k * (last - cum).exp()).transpose(-1, -2)  # [bh, n, dk, C]
+    e_last = last[:, :, 0, :, None].exp()  # [bh, n, 1 or dk, 1]
+    starts, u = [S], []
+    for i in range(n):  # no `out=`: autograd follows (a trace with gradients on)
+        u.append(torch.baddbmm(u0[:, i], w[:, i], starts[i], alpha=-1))
+        starts.append(torch.baddbmm(starts[i] * e_last[:, i], k_last[:, i], u[i]))
+    return torch.stack(starts), torch.stack(u, dim=1)
+
+
+def _chunk_outputs(q: torch.Tensor, k: torch.Tensor, kd: torch.Tensor | None, decay: torch.Tensor | None,
+                   cum: torch.Tensor, starts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Every token's output, `[bh, n, C, dv]`: out_t = (q_t * exp(G_t)) S0 + sum_j (q_t . kd[t, j]) u_j."""
+    n = u.shape[1]
+    if decay is not None:
+        intra = (q @ k.transpose(-1, -2)) * decay
+    else:
+        assert kd is not None
+        intra = (kd @ q[..., None])[..., 0]  # [bh, n, C, C]
+    return (q * cum.exp()) @ starts[:n].transpose(0, 1) + intra @ u
+
+
+def _unchunk(out: torch.Tensor, b: int, h: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[bh, n, C, dv]` outputs as transformers returns them: `[b, s, h, dv]` in the query's dtype."""
+    return out.reshape(b, h, -1, out.shape[-1])[:, :, :s].transpose(1, 2).to(dtype)
+
+
+def _chunk_states(k: torch.Tensor, kd: torch.Tensor | None, decay: torch.Tensor | None, cum: torch.Tensor,
+                  starts: torch.Tensor, u: torch.Tensor, b: int) -> torch.Tensor:
+    """states[t] = sum_j kd[t, j]^T u_j + exp(G_t) * S0, straight into the `[b, n * C, h, dk, dv]` layout.
+
+    A group of chunks of one batch row at a time (about `_BLOCK_BYTES`), so that the second term
+    is added while the first is still in cache."""
+    bh, n, C, dk = k.shape
+    h, dv = bh // b, u.shape[-1]
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (k, cum, starts, u))
+    out = None if grad else _states_buffer((b, n * C, h, dk, dv), u.device)
+    group = max(1, _BLOCK_BYTES // (C * h * dk * dv * 4))
+    e_cum = cum.exp().view(b, h, n, C, -1)
+    parts = []
+    for r in range(b):
+        rows = slice(r * h, (r + 1) * h)
+        for i in range(0, n, group):
+            j = min(n, i + group)
+            if decay is not None:  # left[c, t, h, a, j] = decay[t, j] * k_j[a], made contiguous once
+                left = decay[rows, i:j].permute(1, 2, 0, 3)[:, :, :, None, :] * k[rows, i:j].permute(1, 0, 3, 2)[:, None]
+            else:
+                assert kd is not None
+                left = kd[rows, i:j].permute(1, 2, 0, 4, 3)
+            right = u[rows, i:j].permute(1, 0, 2, 3)[:, None]  # [c, 1, h, C(j), dv]
+            start = (e_cum[r, :, i:j].permute(1, 2, 0, 3)[..., None], starts[i:j, rows, None].transpose(1, 2))
+            if out is None:  # autograd follows: a fresh tensor per group
+                parts.append(torch.addcmul(left.contiguous() @ right, *start))
+                continue
+            blk = out.view(b, n, C, h, dk, dv)[r, i:j]
+            torch.matmul(left.contiguous(), right, out=blk)
+            blk.addcmul_(*start)
+    if out is None:
+        return torch.cat(parts).view(b, n * C, h, dk, dv)
+    return out
+
+
+def per_token_loop(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
+                   use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule token by token, the plain statement of the math `per_token` computes in chunks.
+
+    Slow (a Python loop over tokens); kept as the tests' statement of the recurrence.
+    Returns (outputs `[b, s, h, dv]` in the query dtype, states `[b, s, h, dk, dv]` float32).
+    """
+    q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    S = _start_state(initial_state, (b, h, dk, dv), v.device)
+    states = torch.empty(b, s, h, dk, dv, dtype=torch.float32, device=v.device)
+    out = torch.empty(b, h, s, dv, dtype=torch.float32, device=v.device)
+    decay = gg.exp()
+    for t in range(s):
+        if decay.dim() == 4:  # per key channel (Kimi)
+            S = S * decay[:, :, t, :, None]
+        else:
+            S = S * decay[:, :, t, None, None]
+        kt = k[:, :, t, None, :]  # [b, h, 1, dk]
+        delta = (v[:, :, t, None, :] - kt @ S) * bb[:, :, t, None, None]  # [b, h, 1, dv]
+        S = S + kt.transpose(-1, -2) @ delta
+        out[:, :, t] = (q[:, :, t, None, :] @ S)[:, :, 0]
+        states[:, t] = S
+    return out.transpose(1, 2).to(query.dtype), states
+
+
+def read_state(fam: families.Family, query_t: torch.Tensor, state: torch.Tensor, heads: int,
+               use_qk_l2norm: bool) -> torch.Tensor:
+    """One token's read of a state: `q_t @ S`, as the kernel computes it. query_t `[b, hk, dk]`."""
+    q = query_t.to(torch.float32)
+    if q.shape[-2] != heads:
+        q = q.repeat_interleave(heads // q.shape[-2], dim=1)
+    q = _read_query(fam, q, use_qk_l2norm)
+    return (q[:, :, None, :] @ state.to(torch.float32))[:, :, 0].to(query_t.dtype)

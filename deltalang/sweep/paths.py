@@ -1,0 +1,203 @@
+"""The recorded forwards behind attribution: the clean run, the donors, and the gradient passes of each path.
+
+Contract. `record_forward` runs one plain transformers forward recording DeltaNet blocks
+(`gradients.record`); given a measure it also takes that measure's gradients at their kernel and
+convolution outputs. `gradient_runs` gives, per measure, the recordings each variant averages:
+`plain` (the clean run), and the `k` points a = (j + 1/2)/k of one integrated path:
+- "blocks": for each block L, its kernel output shifted by a * (goal - clean), nothing else. The
+  blocks before L are the clean run's, so the pass starts at block L: the clean residual stream
+  entering L (`recompute.capture_clean`, one capture for every block) is fed to blocks L.. only
+  (`recompute.run_rows`, positions 0..), and the backward stops at block L's input. On a GPU several
+  blocks' paths share one pass as rows (rows starting at a later block hold the clean stream until
+  there), as many as the sweep's memory budget allows; each block's rows are then its own recording.
+  The same gradients as a whole-model forward with that one shift, to float noise.
+- "outputs": every swept block's output shifted together, one whole-model pass per point;
+- "embeddings": the input embeddings moved from the clean prompt's to the donor's.
+`goal`: the donor's kernel output, or `factor` x the clean one (zeros, scale). Weights get no
+gradient (their `requires_grad` is restored after).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+
+from .. import gradients
+from ..ir import ResolvedMeasure
+from ..model import DeltaModel, decoder_layers
+from .job import measure_label
+from .memory import memory_budget, row_bytes
+from .recompute import Capture, Row, capture_clean, device_of, run_rows
+
+PATHS = {"outputs": "out", "embeddings": "emb", "blocks": "blk"}  # path -> the prefix of its variant's name
+
+
+def ids_of(model: DeltaModel, text: str) -> torch.Tensor:
+    return torch.tensor([model.spec.token_ids(text)], device=device_of(model))
+
+
+def measure_of(m: ResolvedMeasure, logits: torch.Tensor) -> torch.Tensor:
+    """The measure per row, differentiable, of the next-token logits `[b, s, vocab]`: `[b]`."""
+    x = logits[:, -1].float()
+    if m.kind == "prob":
+        return x.softmax(-1)[:, m.token_ids[0]]
+    return x[:, m.token_ids[0]] - x[:, m.token_ids[1]]
+
+
+def _mixers(model: DeltaModel) -> Callable[[int], torch.nn.Module]:
+    layers = decoder_layers(model._module)
+    attr = model.family.mixer_attr
+    return lambda i: getattr(layers[i], attr)
+
+
+def record_forward(model: DeltaModel, blocks: Sequence[int], ids: torch.Tensor | None = None,
+                   embeds: torch.Tensor | None = None, measure: ResolvedMeasure | None = None,
+                   shifts: dict[int, torch.Tensor] | None = None) -> gradients.Recording:
+    """One forward of `ids` (or input embeddings) recording `blocks`; with `measure`, its gradients."""
+    hf = model._module
+
+    def forward() -> torch.Tensor:
+        kw: dict[str, Any] = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+        return hf(**kw, use_cache=False, logits_to_keep=1).logits
+
+    with torch.set_grad_enabled(measure is not None):
+        rec = gradients.record(hf, model.family, sorted(set(blocks)), _mixers(model), forward, shifts)
+        if measure is not None:
+            rec.backward(measure_of(measure, rec.result).sum())  # rows are independent: each its own gradient
+    rec.result = rec.result.detach()
+    return rec
+
+
+@contextmanager
+def frozen_weights(model: DeltaModel) -> Iterator[None]:
+    """No weight gradients inside (only activation gradients are wanted); `requires_grad` restored after."""
+    frozen = [p for p in model._module.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
+def output_of(rec: gradients.Recording, block: int) -> torch.Tensor:
+    got = rec.blocks[block].out
+    assert got is not None
+    return got.detach()
+
+
+@attrs.frozen
+class PathEnds:
+    """Where a path runs: the clean recording, and the donor's (or `factor` x the clean outputs)."""
+
+    text: str
+    clean: gradients.Recording
+    donor: gradients.Recording | None
+    donor_text: str | None
+    factor: float | None
+
+    def shift(self, block: int) -> torch.Tensor:
+        """goal - clean of block's kernel output, `[1, s, h, dv]`."""
+        here = output_of(self.clean, block)
+        goal = output_of(self.donor, block) if self.donor is not None else (self.factor or 0.0) * here
+        return goal - here
+
+
+def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[ResolvedMeasure], steps: int,
+                  path: str, ends: PathEnds) -> dict[str, dict[str, Any]]:
+    """{measure label: {variant: recordings that variant averages}} ("blocks": {block: recordings})."""
+    ids = ids_of(model, ends.text)
+    embed = model._module.get_input_embeddings()
+    out: dict[str, dict[str, Any]] = {}
+    capture: Capture | None = None
+    with frozen_weights(model):
+        for m in measures:
+            x0 = embed(ids).detach()
+            variants: dict[str, Any] = {"plain": [record_forward(model, blocks, embeds=x0.clone().requires_grad_(True),
+                                                                 measure=m)]}
+            out[measure_label(m)] = variants
+            if steps <= 0:
+                continue
+            name = f"{PATHS[path]}{steps}"
+            if path == "blocks":
+                if capture is None:
+                    with torch.no_grad():
+                        capture = capture_clean(model, ends.text, min(blocks), {})
+                variants[name] = block_paths(model, capture, blocks, m, steps, ends)
+                continue
+            recs = []
+            for j in range(steps):
+                a = (j + 0.5) / steps
+                if path == "embeddings":
+                    assert ends.donor_text is not None
+                    x1 = embed(ids_of(model, ends.donor_text)).detach()
+                    recs.append(record_forward(model, blocks, embeds=(x0 + a * (x1 - x0)).requires_grad_(True),
+                                               measure=m))
+                else:
+                    shifts = {b: a * ends.shift(b) for b in blocks}
+                    recs.append(record_forward(model, blocks, embeds=x0.clone().requires_grad_(True), measure=m,
+                                               shifts=shifts))
+            variants[name] = recs
+    return out
+
+
+def path_groups(model: DeltaModel, blocks: Sequence[int], steps: int, positions: int) -> list[list[int]]:
+    """Blocks whose paths share one pass: their rows x blocks run, with gradients, fit the memory budget.
+
+    On a CPU each block has its own pass: wider passes measured no faster there (2 cores), and cost memory."""
+    device = device_of(model)
+    if device.type == "cpu":
+        return [[b] for b in sorted(blocks)]
+    per_block = row_bytes(model, positions)  # one row through one block, kept for the backward
+    budget = memory_budget(device)
+    n = model.spec.num_layers
+    groups: list[list[int]] = []
+    used = 0
+    for b in sorted(blocks):
+        cost = steps * (n - b) * per_block
+        if groups and used + cost <= budget:
+            groups[-1].append(b)
+            used += cost
+        else:
+            groups.append([b])
+            used = cost
+    return groups
+
+
+def block_paths(model: DeltaModel, capture: Capture, blocks: Sequence[int], m: ResolvedMeasure, steps: int,
+                ends: PathEnds) -> dict[int, list[gradients.Recording]]:
+    """Each block's own path, its k points as rows, from that block on: {block: [its recording]}."""
+    dev = device_of(model)
+    a = (torch.arange(steps, dtype=torch.float32, device=dev) + 0.5) / steps
+    out: dict[int, list[gradients.Recording]] = {}
+    for group in path_groups(model, blocks, steps, capture.seq_len):
+        rows = [Row(None, b, 0, ()) for b in group for _ in range(steps)]  # type: ignore[arg-type]
+        inputs = dict(capture.inputs)
+        inputs.update({b: capture.inputs[b].detach().requires_grad_(True) for b in group})  # block b's conv in the graph
+        cap = attrs.evolve(capture, inputs=inputs)
+        shifts = {}
+        for n, b in enumerate(group):
+            d = ends.shift(b)
+            shift = torch.zeros((n + 1) * steps, *d.shape[1:], dtype=torch.float32, device=d.device)
+            shift[n * steps:] = a[:, None, None, None] * d.float()  # block b's rows are the last `steps` there
+            shifts[b] = shift
+
+        def forward() -> torch.Tensor:
+            return run_rows(model, cap, rows, 0).logits[:, None]
+
+        with torch.enable_grad():
+            rec = gradients.record(model._module, model.family, group, _mixers(model), forward, shifts)
+            rec.backward(measure_of(m, rec.result).sum())
+        result = rec.result.detach()
+        for n, b in enumerate(group):
+            blk = rec.blocks[b]
+            assert blk.grad_out is not None and blk.grad_conv is not None
+            mine = slice(n * steps, (n + 1) * steps)
+            own = attrs.evolve(blk, grad_out=blk.grad_out[mine], grad_conv=blk.grad_conv[mine])
+            out[b] = [gradients.Recording(rec.family, {b: own}, result[mine])]
+    return out
