@@ -3,7 +3,8 @@
 `tiny_models` maps each family name to a checkpoint directory (config,
 safetensors, byte-level tokenizer) written by `deltalang.testing.build_tiny`;
 `tiny_spec(family)` gives that checkpoint's `ModelSpec` (config and tokenizer
-only), cached. `tiny_path(family)` gives the directory. Building all five takes a
+only), cached. `tiny_path(family)` gives the directory. `ref` is plain transformers on the
+bundled model (`reference.Reference`), the truth the bundled-model tests compare with. Building all five takes a
 few seconds; nothing reaches a network.
 """
 
@@ -16,7 +17,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pathlib import Path  # noqa: E402
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest  # noqa: E402
 
@@ -66,3 +67,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def ref() -> Any:
+    """Plain transformers on the bundled model, float32 (`reference.Reference`), loaded once."""
+    import torch
+    from reference import Reference
+    from transformers import AutoModelForCausalLM
+
+    from deltalang.bundled import PATH
+
+    return Reference(AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32))

@@ -202,13 +202,6 @@ trace patched on clean {{
 """
 
 
-@pytest.fixture(scope="module")
-def ref() -> Reference:
-    from transformers import AutoModelForCausalLM
-
-    return Reference(AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32))
-
-
 @bundled
 def test_the_measures_have_the_units_the_page_states(model: deltalang.DeltaModel, ref: Reference) -> None:
     """prob: softmax; rank: 0-based count of larger logits; logit_diff: raw logits; kl(base) in patched:

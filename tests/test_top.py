@@ -34,13 +34,6 @@ def model() -> deltalang.DeltaModel:
     return deltalang.load_model()
 
 
-@pytest.fixture(scope="module")
-def ref() -> Reference:
-    from transformers import AutoModelForCausalLM
-
-    return Reference(AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32))
-
-
 def _expected(logits: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
     p = logits[:, -1].float().softmax(-1)[0]
     vals, ids = p.topk(k)

@@ -29,13 +29,6 @@ def model() -> deltalang.DeltaModel:
     return deltalang.load_model()
 
 
-@pytest.fixture(scope="module")
-def ref() -> Reference:
-    from transformers import AutoModelForCausalLM
-
-    return Reference(AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32))
-
-
 def _ids(model: deltalang.DeltaModel, text: str) -> torch.Tensor:
     return model.tokenizer(text, return_tensors="pt").input_ids
 
