@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .errors import DeltaError
-from .html import NotebookProgress
+from .html import NotebookProgress, ProgressDisplay
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -144,7 +144,7 @@ def _sync(f: Any) -> None:
         pass
 
 
-class RecordProgress:
+class RecordProgress(ProgressDisplay):
     """A rich progress bar over records (and the cells or measures in them), or nothing without a console."""
 
     def __init__(self, console: Console | None, records: int, units: int, unit: str, head: str) -> None:
@@ -165,15 +165,6 @@ class RecordProgress:
                             TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
                             console=console, transient=False)
         self.task = self.bar.add_task(f"record 0 of {records}", total=units)
-
-    def __enter__(self) -> RecordProgress:  # noqa: PYI034
-        if self.bar is not None:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
 
     def advance(self, units: int, records: int = 0) -> None:
         """`units` more cells (or records) done, of them `records` records finished."""

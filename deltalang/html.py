@@ -25,7 +25,7 @@ import base64
 import html as _html
 import time
 from collections.abc import Container, Iterable, Sequence
-from typing import Any
+from typing import Any, Self
 
 # the few styles a table needs, inline so that a sanitised renderer keeps them
 _CELL = "text-align:{align};vertical-align:top"
@@ -184,3 +184,19 @@ class _Line:
 def _clock(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class ProgressDisplay:
+    """What the progress displays of sweeps and dataset runs share: `bar` (a rich `Progress`, a
+    `NotebookProgress`, or None when nothing is shown), entered and left with the display."""
+
+    bar: Any = None
+
+    def __enter__(self) -> Self:
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)

@@ -21,7 +21,7 @@ import torch
 
 from ..model import DeltaModel
 from ..compiled import Experiment
-from ..html import NotebookProgress
+from ..html import NotebookProgress, ProgressDisplay
 from ..results import Results
 from .attribution import Attribution, attribute, method_of, refuse_estimated
 from .engine import Context, baselines, run_job
@@ -62,7 +62,7 @@ class SweepOutcome:
         return f"{out.file.getvalue()}<SweepOutcome: {len(self.results)} results in .results, the tables in .tables>"
 
 
-class _Progress:
+class _Progress(ProgressDisplay):
     """A rich progress bar (cells done, rate, time left), in a notebook one line updated in place, or nothing."""
 
     def __init__(self, console: Console | None, total: int) -> None:
@@ -92,15 +92,6 @@ class _Progress:
                             TextColumn("cells"), Rate(), TimeElapsedColumn(), TextColumn("elapsed,"),
                             TimeRemainingColumn(), TextColumn("left"), console=console, transient=False)
         self.task = self.bar.add_task("sweep", total=total)
-
-    def __enter__(self) -> _Progress:  # noqa: PYI034
-        if self.bar is not None:
-            self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
 
     def advance(self, n: int, name: str) -> None:
         if self.bar is not None:
