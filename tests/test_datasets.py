@@ -236,6 +236,22 @@ def test_from_python_a_list_of_dicts_and_records_left_out(model: deltalang.Delta
         deltalang.run(src, model, data={"facts": [RECORDS[0], bad]}, strict=True)
 
 
+@needs_model
+def test_a_dataset_without_a_prompt_field_runs_on_another_field(model: deltalang.DeltaModel,
+                                                                ref: Reference) -> None:
+    """`trace t on facts.text` needs no `prompt` field; a position from a field does (token numbers of the prompt)."""
+    records = [{"text": r["prompt"], "answer": r["answer"]} for r in RECORDS[:2]]
+    out = deltalang.run("trace t on facts.text { measure prob(facts.answer) }", model, data={"facts": records})
+    for r, got in zip(records, out.values("t.prob(facts.answer)")):
+        with torch.no_grad():
+            probs = ref.hf(model.tokenizer(r["text"], return_tensors="pt").input_ids).logits[0, -1].softmax(-1)
+        assert got == pytest.approx(float(probs[model.tokenizer(r["answer"]).input_ids[0]]), abs=1e-5)
+    with pytest.raises(DeltaError, match="has a field 'prompt'") as err:
+        deltalang.run("trace t on facts.text { write L0.state_after(facts.answer) = zeros; measure prob(facts.answer) }",
+                      model, data={"facts": records})
+    assert "position from a field" in str(err.value)
+
+
 def test_run_with_data_saves_resumes_and_refuses_what_does_not_apply(model: deltalang.DeltaModel,
                                                                      tmp_path: Path) -> None:
     src = 'trace t on facts { write L[linear].state_after(facts.subject) from facts.corrupt; ' \

@@ -12,7 +12,11 @@ are the kernel over the same tokens from the same states.
 The workers of an invoke see full-batch tensors, as always: a state served at a
 group's position is the full batch's shape with the group's rows filled in (the
 other rows' workers wait on other positions and never read it), and what a
-worker writes back is taken from the group's rows.
+worker writes back is taken from the group's rows. The groups of one call share
+that full-batch buffer (one per k-th state a group is served), each filling its
+own rows: a saved state is a view of it, so a buffer per group would keep
+groups x batch states alive per block (at 32 records of a 0.8B-shaped model,
+18 GiB) where one keeps the batch's.
 
 Contract: `split_by_rows(call, run_rows, s, initial, step, query, l2)` returns the
 head outputs and final states of the whole batch and each group's rows with its
@@ -86,9 +90,10 @@ def split_by_rows(call: DeltaRuleCall, run_rows: RunRows, s: int, initial: torch
         return None
     outs: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     segments: list[tuple[list[int], Segments]] = []
+    shared: dict[int, torch.Tensor] = {}  # k -> the full-batch buffer of every group's k-th served state
     for rows in groups:
         segs: Segments = []
-        out, final = _split_rows(call, run_rows, rows, s, initial, step, query, l2, segs)
+        out, final = _split_rows(call, run_rows, rows, s, initial, step, query, l2, segs, shared)
         outs.append((rows, out, final))
         segments.append((rows, segs))
     _, out0, final0 = outs[0]
@@ -101,12 +106,15 @@ def split_by_rows(call: DeltaRuleCall, run_rows: RunRows, s: int, initial: torch
 
 
 def _split_rows(call: DeltaRuleCall, run_rows: RunRows, rows: list[int], s: int, initial: torch.Tensor | None,
-                step: int, query: torch.Tensor, l2: bool, segments: Segments) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_split` on `rows` only: segments end at the positions these rows' invokes ask for (recorded)."""
+                step: int, query: torch.Tensor, l2: bool, segments: Segments,
+                shared: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_split` on `rows` only: segments end at the positions these rows' invokes ask for (recorded); the
+    k-th state served is served in `shared[k]` (made at first use), these rows filled in."""
     starts = {str(r) for r in rows}
     pieces: list[torch.Tensor] = []
     pos = 0
     state = None if initial is None else initial[rows]
+    k = 0  # states served so far: a saved state is a view of its buffer, so each has its own
     while True:
         asked = {p for p, names in call.positions("state_after", step).items()
                  if any(n.rsplit("@", 1)[-1] in starts for n in names)}
@@ -119,7 +127,8 @@ def _split_rows(call: DeltaRuleCall, run_rows: RunRows, rows: list[int], s: int,
             for name in call._names_at("state_after", step, p):
                 if name.rsplit("@", 1)[-1] not in starts:
                     continue
-                full = _widen(state, rows, query.shape[0])
+                full = _widen(state, rows, query.shape[0], shared, k)
+                k += 1
                 new = call.serve(name, full, step)
                 if new is not full:
                     state = call._checked_state(new, query, "state_after")[rows]
@@ -131,8 +140,11 @@ def _split_rows(call: DeltaRuleCall, run_rows: RunRows, rows: list[int], s: int,
             return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]), state
 
 
-def _widen(state: torch.Tensor, rows: list[int], b: int) -> torch.Tensor:
-    """A full-batch tensor holding `state` at `rows` (zeros elsewhere: no other row's worker reads it)."""
-    full = state.new_zeros((b, *state.shape[1:]))
+def _widen(state: torch.Tensor, rows: list[int], b: int, shared: dict[int, torch.Tensor], k: int) -> torch.Tensor:
+    """The full-batch buffer of the groups' k-th served state with `state` at `rows` (other groups' states
+    or zeros elsewhere: no other row's worker reads them)."""
+    if k not in shared or shared[k].dtype != state.dtype:
+        shared[k] = state.new_zeros((b, *state.shape[1:]))
+    full = shared[k]
     full[rows] = state
     return full

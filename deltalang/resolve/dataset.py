@@ -99,7 +99,10 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
         raise _fail(f"no data for the dataset '{ds_name}'", decls[ds_name].span if ds_name in decls else runs[0].span)
     ds = datasets[ds_name]
     inside = {id(n) for r in runs for n in ast.walk(r)}
-    used: list[tuple[str, Span]] = [(PROMPT_FIELD, runs[0].span)]
+    used: list[tuple[str, Span]] = []
+    needs = prompt_use(program, runs, ds_name)
+    if needs is not None:
+        used.append((PROMPT_FIELD, needs))
     used.extend((r.prompt.split(".", 1)[1], r.span) for r in runs if "." in r.prompt)
     for node in ast.walk(program):
         if isinstance(node, ast.Field):
@@ -119,6 +122,27 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
     return ds
 
 
+def prompt_use(program: ast.Program, runs: list[Any], ds_name: str) -> Span | None:
+    """Where the program needs its records' `prompt` field, or None: a run on the dataset itself, the
+    dataset named as a run (`from facts`, `kl(facts)`, `mean(facts)`), or a position from a field (such
+    positions are the prompt's token numbers). A program whose runs are all on other fields
+    (`trace t on facts.text`) needs no `prompt`."""
+    bare = next((r for r in runs if "." not in r.prompt), None)
+    if bare is not None:
+        return bare.span
+    for node in ast.walk(program):
+        if isinstance(node, ast.FromSource) and node.run == ds_name:
+            site = node.site
+            if site is None or site.block is not None or site.position is not None or site.value in MODEL_VALUES:
+                return node.span
+        elif (isinstance(node, ast.KL) and node.run == ds_name) or \
+                (isinstance(node, ast.MeanSource) and ds_name in node.prompts) or isinstance(node, ast.FieldPos):
+            return node.span
+        elif isinstance(node, ast.Site) and isinstance(node.position, ast.Field):
+            return node.position.span
+    return None
+
+
 def _check_fields(ds: Dataset, used: list[tuple[str, Span]]) -> None:
     """Every field used is in some record (else unknown) and in every record (else the first without it)."""
     have = ds.fields
@@ -126,8 +150,10 @@ def _check_fields(ds: Dataset, used: list[tuple[str, Span]]) -> None:
         if field not in have:
             guess = difflib.get_close_matches(field, have, n=1)
             hint = f"did you mean '{guess[0]}'? " if guess else ""
+            why = ("this uses the records' prompt: a run on the dataset itself, the dataset named as a run, or a "
+                   "position from a field (a token number of the prompt)",) if field == PROMPT_FIELD else ()
             raise _fail(f"no record of '{ds.name}' has a field '{field}': {hint}its fields are "
-                        f"{', '.join(have)}", span)
+                        f"{', '.join(have)}", span, notes=why)
         missing = next((r for r in ds.records if field not in r.fields), None)
         if missing is not None:
             raise _fail(f"record {missing.index + 1} of '{ds.name}' ({ds.where(missing)}) has no field '{field}'",
@@ -167,7 +193,8 @@ def expand(program: ast.Program, ds: Dataset, record: Record, spec: ModelSpec | 
     for item in program.items:
         if isinstance(item, ast.DatasetDecl):
             if item.name == ds.name:
-                items.append(ast.PromptDecl(ds.name, record.fields[PROMPT_FIELD], span=item.span))
+                if PROMPT_FIELD in record.fields:  # else no run uses it (check_over)
+                    items.append(ast.PromptDecl(ds.name, record.fields[PROMPT_FIELD], span=item.span))
                 items.append(item)  # a placeholder: the donor prompts go here
             continue
         new = _map(item, rewriter(item))
@@ -175,8 +202,9 @@ def expand(program: ast.Program, ds: Dataset, record: Record, spec: ModelSpec | 
             new = attrs.evolve(new, prompt=donor(item.prompt.split(".", 1)[1]))
         items.append(new)
     if not any(isinstance(i, ast.DatasetDecl) for i in items):  # data given from Python: no declaration
-        items.insert(0, ast.PromptDecl(ds.name, record.fields[PROMPT_FIELD]))
-        items.insert(1, ast.DatasetDecl(ds.name, ""))
+        items.insert(0, ast.DatasetDecl(ds.name, ""))
+        if PROMPT_FIELD in record.fields:
+            items.insert(0, ast.PromptDecl(ds.name, record.fields[PROMPT_FIELD]))
     at = next(n for n, i in enumerate(items) if isinstance(i, ast.DatasetDecl))
     extra = [ast.PromptDecl(name, record.fields[f], span=items[at].span) for f, name in donors.items()]
     items[at:at + 1] = extra
