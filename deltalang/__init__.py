@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .check import check
     from .compiled import Experiment
     from .dataset_run import DatasetResults
+    from .sweep.attribution_dataset import DatasetAttribution
     from .sweep.dataset import DatasetSweepResults
     from .errors import DeltaError
     from .kernels import route_kernels, routed
@@ -39,11 +40,12 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
 _LAZY: dict[str, str] = {
     "families": "", "DeltaError": "errors", "route_kernels": "kernels", "routed": "kernels", "check": "check",
     "DeltaModel": "model", "load_model": "model", "parse": "parse", "Experiment": "compiled",
-    "Results": "results", "DatasetResults": "dataset_run", "DatasetSweepResults": "sweep.dataset", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
+    "Results": "results", "DatasetResults": "dataset_run", "DatasetSweepResults": "sweep.dataset",
+    "DatasetAttribution": "sweep.attribution_dataset", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
     "ModelSpec": "spec", "load_spec": "spec",
 }
 
-__all__ = ["DatasetResults", "DatasetSweepResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
+__all__ = ["DatasetAttribution", "DatasetResults", "DatasetSweepResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
            "load_model", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
 
 

@@ -308,7 +308,10 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
     out = run_dataset_sweep(source, model, filename=filename, datasets=datasets, strict=bool(getattr(args, "strict",
                             False)), normalise=getattr(args, "normalise", None), out=args.out,
                             resume=bool(getattr(args, "resume", False)), batch_size=getattr(args, "batch_size", None),
-                            engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err)
+                            engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err,
+                            method="attribution" if getattr(args, "attribution", False) else None,
+                            steps=getattr(args, "steps", None), refine=getattr(args, "refine", None),
+                            path=getattr(args, "path", None))
     print(out.summary())
     if args.out is not None:
         err.print(f"wrote {args.out}/: {', '.join(FILES)} and a heatmap per sweep and measure", highlight=False)
@@ -328,8 +331,6 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     if exp is None:
         source, filename = read_program(args)
         if _over_dataset(source, filename):
-            if getattr(args, "attribution", False):
-                raise DeltaSweepError("--attribution estimates a sweep over one prompt, not yet over a dataset")
             return dataset_main(args, source, filename)
         exp = _experiment(args, (source, filename))
     err = Console(stderr=True)

@@ -26,6 +26,7 @@ from .parse import parse
 from .resolve import uses_dataset
 from .results import Results
 from .sweep import run_sweep, run_sweeps, sweep
+from .sweep.attribution_dataset import DatasetAttribution
 from .sweep.dataset import DatasetSweepResults, run_dataset_sweep
 
 __all__ = ["REMOTE_REFUSAL", "Experiment", "Results", "compile", "run", "run_sweep", "sweep"]
@@ -50,13 +51,15 @@ def compile(source: str, model: Any = None, *, filename: str = "<program>", prom
 def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
         batch: bool = True, remote: bool | str = False, data: Mapping[str, Any] | None = None,
         strict: bool = False, out: str | Path | None = None, resume: bool = False,
-        normalise: str | Mapping[str, str] | None = None) -> Results | DatasetResults | DatasetSweepResults:
+        normalise: str | Mapping[str, str] | None = None
+        ) -> Results | DatasetResults | DatasetSweepResults | DatasetAttribution:
     """Compile and run a program; returns its Results (DatasetResults for a program over a dataset).
 
     `data`: {dataset name: a list of dicts or a pandas DataFrame}, used instead of the
     `dataset` line's file; `strict`: a record that does not resolve stops the run. A program with
-    sweeps over a dataset gives `DatasetSweepResults`. Over a dataset, `out` saves the run record by
-    record into that directory and `resume` continues a run saved there (as `--out`/`--resume`);
+    sweeps over a dataset gives `DatasetSweepResults` (a sweep by attribution: `DatasetAttribution`). Over a
+    dataset, `out` saves the run record by record into that directory and `resume` continues a run saved
+    there (as `--out`/`--resume`);
     `normalise` ({"clean": RUN, "corrupted": RUN} or "clean=A,corrupted=B") applies to dataset sweeps.
     A one-prompt program takes none of the three: save its results with `Results.save`.
     """

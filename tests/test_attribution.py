@@ -278,24 +278,3 @@ def test_the_exact_engine_refuses_a_sweep_that_says_attribution(model: deltalang
     with pytest.raises(deltalang.DeltaError) as e:
         deltalang.run(_declared("method attribution"), model)
     assert "says method attribution" in str(e.value) and "\n" not in str(e.value)
-
-
-def test_attribution_over_a_dataset_is_refused_in_one_line(model: deltalang.DeltaModel, tmp_path: Path) -> None:
-    data = tmp_path / "facts.jsonl"
-    data.write_text(f'{{"prompt": "{CLEAN}", "corrupt": "{OTHER}"}}\n')
-    body = ("sweep s on facts over L in L[linear], t in 14..22{} {{\n    write L.state_after(t) = zeros\n"
-            "    measure logit_diff(\"P\", \"a\")\n}}\n")
-    src = f'dataset facts = "{data}"\n' + body.format(" method attribution")
-    with pytest.raises(deltalang.DeltaError) as e:
-        deltalang.run(src, model)
-    assert "not yet over a dataset" in str(e.value) and "\n" not in str(e.value)
-    from deltalang.cli import main
-
-    f = tmp_path / "attr.dl"
-    err = io.StringIO()
-    for text, flags in ((src, []), (f'dataset facts = "{data}"\n' + body.format(""), ["--attribution"])):
-        f.write_text(text)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-            assert main(["sweep", str(f), "--model", str(tiny_checkpoint("qwen3_5")), *flags]) == 1
-    lines = [x for x in err.getvalue().splitlines() if x.startswith("error")]
-    assert len(lines) == 2 and all("over a dataset" in x for x in lines), err.getvalue()

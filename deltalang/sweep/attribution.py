@@ -186,6 +186,12 @@ def _run(exp: Experiment, name: str) -> ResolvedRun:
     raise DeltaSweepError(f"no run named {name!r}")
 
 
+def default_steps(model: DeltaModel, target: Target, path: str) -> int:
+    """`DEFAULT_STEPS` where the writes have a path (one donor of the clean length, zeros or one scale), else 0."""
+    fits = target.donor is not None and len(model.spec.token_ids(target.donor)) == len(target.sweep.token_ids)
+    return DEFAULT_STEPS if fits or (target.factor is not None and path != "embeddings") else 0
+
+
 def check_path(model: DeltaModel, target: Target, steps: int, path: str) -> None:
     """Refuse an integrated estimate the prompts cannot give: it needs one donor of the clean length."""
     if steps <= 0:
@@ -373,9 +379,8 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
         raise DeltaSweepError(f"steps and refine are counts (0 or more), got steps={steps}, refine={refine}")
     model = exp.model
     target = target_of(exp)
-    if steps is None:  # the default: integrated where a donor path exists, else plain
-        fits = target.donor is not None and len(model.spec.token_ids(target.donor)) == len(target.sweep.token_ids)
-        steps = DEFAULT_STEPS if fits or (target.factor is not None and path != "embeddings") else 0
+    if steps is None:
+        steps = default_steps(model, target, path)
     if path not in PATHS:
         raise DeltaSweepError(f"path is one of {', '.join(PATHS)}, got {path!r}")
     check_path(model, target, steps, path)
@@ -399,14 +404,14 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
             raise DeltaSweepError("refine needs the sweep engine (deltalang.run_sweep passes it)")
         first = measure_label(target.measures[0])
         top = sorted((r for r in rows if r.measure == first), key=lambda r: -abs(r.estimates[default]))[:refine]
-        _refine(exp, target, result, [(r.block, r.position) for r in top], exact)
+        refine_cells(exp, target, result, [(r.block, r.position) for r in top], exact)
     if out is not None:
         result.files.append(result.write_csv(Path(out) / "attribution.csv"))
     return result
 
 
-def _refine(exp: Experiment, target: Target, result: Attribution, cells: Sequence[tuple[int, int]],
-            exact: Callable[..., Any]) -> None:
+def refine_cells(exp: Experiment, target: Target, result: Attribution, cells: Sequence[tuple[int, int]],
+                 exact: Callable[..., Any]) -> None:
     """Run `cells` through the engine; fill `exact` with M(patched) - M(clean)."""
     outcome = exact(narrowed(exp, target, cells), progress=False)
     found: dict[tuple[int, int, str], float] = {}

@@ -29,6 +29,8 @@ of the mean per two-axis sweep and measure. With `out`, every record's rows are
 saved as it finishes (`deltalang.dataset_store`) and `resume` continues without
 rerunning the records done. Records that do not resolve are left out, with their
 data-file line (or, `strict`, the first is the error); a per-token measure is refused.
+A sweep by attribution (`method attribution`, or `method="attribution"`) is estimated record by
+record and averaged per cell by `sweep.attribution_dataset` (its `--resume` and `--normalise` refused).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +59,8 @@ from ..parse import parse
 from ..resolve import resolve_records
 from ..resolve.dataset import axis_positions, field_prompt, measure_label, on_dataset
 from ..results import save_atomically
+from .attribution import Method, method_of
+from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records
 from .driver import SweepOutcome, _console_for, run_sweeps
 from .job import Normalise
 from .job import measure_label as cell_measure_label
@@ -189,21 +194,29 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                       strict: bool = False, normalise: str | Mapping[str, str] | None = None,
                       out: str | Path | None = None, resume: bool = False, batch_size: int | None = None,
                       engine: str = "auto", progress: bool | None = None, console: Console | None = None,
-                      on_record: Callable[[int], None] | None = None) -> DatasetSweepResults:
-    """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved."""
+                      on_record: Callable[[int], None] | None = None, method: str | None = None,
+                      steps: int | None = None, refine: int | None = None,
+                      path: str | None = None) -> DatasetSweepResults | DatasetAttribution:
+    """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved.
+
+    `method`, `steps`, `refine`, `path`: as `run_sweep`'s; a sweep by attribution (the program's `method
+    attribution` or `method="attribution"`) gives a `DatasetAttribution` (`sweep.attribution_dataset`)."""
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     program = parse(source, filename)
-    said = [i for i in program.items if isinstance(i, ast.Sweep) and i.method and i.method.name == "attribution"]
-    if said:
-        raise DeltaError(f"sweep {said[0].name}: method attribution estimates a sweep over one prompt, "
-                         f"not yet over a dataset (say method exact, or sweep one record's prompts)")
     if datasets is None:
         datasets = load_datasets(source, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
     skipped = left_out(ds, resolutions, strict)
-    norm = Normalise.parse(normalise)
     good = [(r.record, r.resolved) for r in resolutions if r.resolved is not None]
+    if not good:
+        raise DeltaError(f"none of the {len(ds.records)} records of '{ds.name}' resolves: nothing to run")
+    how = method_of(Experiment(source, model, filename=filename, resolved=good[0][1]), method, steps, refine, path)
+    if how is not None:
+        return _attribution(program, ds, good, skipped, model, source, filename, how, normalise=normalise, out=out,
+                            resume=resume, batch_size=batch_size, engine=engine, console=_console_for(progress,
+                            console), on_record=on_record)
+    norm = Normalise.parse(normalise)
     axes = template_axes(program, good[0][1])
     variables = list(dict.fromkeys(v for a in axes.values() for v, _ in a))
     columns = ["record", "line", *ds.fields, "sweep", *variables, "measure", "value"]
@@ -243,6 +256,31 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
         result.save(out)
         store.finish()
     return result
+
+
+def _attribution(program: ast.Program, ds: Dataset, good: Sequence[tuple[Record, Resolved]],
+                 skipped: tuple[tuple[int, str], ...], model: DeltaModel, source: str, filename: str, how: Method, *,
+                 normalise: Any, out: str | Path | None, resume: bool, batch_size: int | None, engine: str,
+                 console: Console | None, on_record: Callable[[int], None] | None) -> DatasetAttribution:
+    """A sweep by attribution over the dataset (`sweep.attribution_dataset`), each record's cells labelled."""
+    if resume:
+        raise DeltaError("--resume continues an exact sweep over a dataset; an attribution sweep reruns (it is "
+                         "fast): drop --resume")
+    if normalise is not None:
+        raise DeltaError("--normalise applies to an exact sweep; attribution estimates M(patched) - M(clean) per "
+                         "record: drop --normalise (or say method exact)")
+    programs = []
+    for rec, res in good:
+        run = next(r for r in res.runs if r.kind == "sweep")  # the sweep estimated: the program's first
+        names = {cell_measure_label(m): _template_measure(program, m) for m in run.measures}
+        programs.append(RecordProgram(rec, res, _labels_by_value(program, ds, rec, run, model), names))
+    axes = template_axes(program, good[0][1])[run.name]
+    got = attribute_records(programs, ds, skipped, axes, model, source, filename, steps=how.steps, refine=how.refine,
+                            path=how.path, exact=partial(run_sweeps, batch_size=batch_size, engine=engine),
+                            console=console, on_record=on_record)
+    if out is not None:
+        got.save(out)
+    return got
 
 
 def _cells(resolved: Resolved) -> int:

@@ -1,0 +1,309 @@
+"""Attribution over a dataset: each record's one-prompt estimates, a mean per cell, the top cells exact on every record.
+
+    dataset facts = "facts.jsonl"
+    sweep s on facts over L in L[linear], t in facts.subject, -1 method attribution steps 2 refine 3 {
+        write L.state_after(t) from facts.corrupt
+        measure logit_diff(facts.answer, facts.foil)
+    }
+
+Contract. `attribute_records` (called by `sweep.dataset.run_dataset_sweep`, which resolves each
+record's plain one-prompt program and says how the template labels its cells) runs
+`attribution.attribute` on each record's own program with refine 0, so a record's estimate in a
+cell is exactly what that program alone estimates. Every record gets the same variants: `steps`
+given is checked on every record before anything runs (a donor of another length than its record's
+prompt is one DeltaError naming the record, as the one-prompt code refuses it); `steps` not given
+is the one-prompt default where every record has a path, else 0 for all (`plain` only; `note` says
+which record has none). A cell is named by its labels as written (`L4`, `facts.subject`, `-1`);
+per variant its value is the mean over the records (with sample std, n and 95% CI), and a token
+that several labels name in a record counts for each. `refine K`: the K cells of largest |mean
+default estimate| (first measure) run exactly on every record through the sweep engine
+(`attribution.refine_cells`: the record's sweep narrowed to its tokens of those cells), each
+record's M(patched) - M(clean) kept and their mean shown beside the estimates.
+
+Results (`DatasetAttribution`): `rows` in long format (record, line, the record's fields, sweep, the
+cell's labels, measure, variant: `plain`, `blk2`, ... or `exact`, value), `cells` (the statistics),
+`values()`, `grid()`, `refined()`, `table()`, `summary()`, and `save(DIR)`: results.csv,
+summary.csv, summary.json, program.dl and a heatmap of the mean default estimate per measure. No model weights
+or grads change (see `attribution`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .. import html
+from ..compiled import Experiment
+from ..dataset_run import MeasureStats, stats_of
+from ..dataset_store import RecordProgress
+from ..datasets import Dataset, Record
+from ..errors import DeltaError
+from ..ir import Resolved
+from ..model import DeltaModel
+from ..results import save_atomically
+from .attribution import Attribution, Target, attribute, check_path, default_steps, describe, refine_cells, target_of
+from .plots import colour_label, heatmap, slug
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+FILES = ("results.csv", "summary.csv", "summary.json", "program.dl")
+Axes = tuple[tuple[str, tuple[str, ...]], ...]  # ((variable, labels as written), ...) in the template's order
+Point = tuple[tuple[str, str], ...]  # ((variable, label), ...) in the axes' order
+
+
+@attrs.frozen
+class RecordProgram:
+    """A record that resolved: its plain program, the labels naming its blocks and tokens, its measures' names."""
+
+    record: Record
+    resolved: Resolved
+    labels: Mapping[str, Mapping[int, Sequence[str]]]  # variable -> {block or token number: labels}
+    measures: Mapping[str, str]  # the record's measure label -> the template's (`logit_diff(facts.answer, ...)`)
+
+
+@attrs.frozen
+class CellAttribution:
+    """One cell and measure over the records: each variant's estimates and, refined, the exact effects."""
+
+    point: Point
+    measure: str
+    estimates: Mapping[str, MeasureStats]
+    exact: MeasureStats | None = None
+
+
+@attrs.frozen
+class DatasetAttribution:
+    """What an attribution sweep over a dataset gives (see the module doc)."""
+
+    dataset: Dataset
+    sweep: str
+    variants: tuple[str, ...]
+    default: str
+    axes: Axes
+    rows: tuple[dict[str, Any], ...]
+    cells: tuple[CellAttribution, ...]
+    skipped: tuple[tuple[int, str], ...]
+    program: str = ""
+    note: str = ""
+
+    @property
+    def variables(self) -> list[str]:
+        return [v for v, _ in self.axes]
+
+    def _measure(self, measure: str | None) -> str:
+        return measure or self.cells[0].measure
+
+    def cell(self, point: Mapping[str, str], measure: str | None = None) -> CellAttribution:
+        """A cell by its labels, `{"L": "L4", "t": "facts.subject"}`."""
+        want, m = tuple((v, point[v]) for v in self.variables), self._measure(measure)
+        return next(c for c in self.cells if c.point == want and c.measure == m)
+
+    def values(self, point: Mapping[str, str], measure: str | None = None, variant: str | None = None) -> list[float]:
+        """A cell's value for each record, in record order: a variant's estimate, or "exact" (refined cells)."""
+        m, v = self._measure(measure), variant or self.default
+        return [r["value"] for r in self.rows if r["measure"] == m and r["variant"] == v
+                and all(r[k] == point[k] for k in self.variables)]
+
+    def grid(self, measure: str | None = None, variant: str | None = None) -> dict[tuple[str, ...], float]:
+        """{labels in the axes' order: the mean} of one measure (default: the first) and variant (or "exact")."""
+        m, v = self._measure(measure), variant or self.default
+        out = {}
+        for c in self.cells:
+            if c.measure == m and (v != "exact" or c.exact is not None):
+                s = c.exact if v == "exact" else c.estimates[v]
+                assert s is not None
+                out[tuple(lab for _, lab in c.point)] = s.mean
+        return out
+
+    def refined(self) -> list[CellAttribution]:
+        return [c for c in self.cells if c.exact is not None]
+
+    def table(self, top: int = 20) -> str:
+        """The cells of largest |mean default estimate|, mean estimates and mean exact effect side by side."""
+        head = [*self.variables, "measure", *self.variants, "exact", "n"]
+        cells = sorted(self.cells, key=lambda c: -abs(c.estimates[self.default].mean))[:top]
+        body = [[*(lab for _, lab in c.point), c.measure, *(f"{c.estimates[v].mean:+.4f}" for v in self.variants),
+                 "" if c.exact is None else f"{c.exact.mean:+.4f}", str(c.estimates[self.default].n)] for c in cells]
+        widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+        lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *body]]
+        note = (f"sweep {self.sweep}: estimated effect M(patched) - M(clean) per cell, mean over the records; "
+                f"{describe(self.default)} is the default; exact: the sweep engine's patch on every record "
+                f"(refined cells), its mean")
+        return "\n".join([note, *lines])
+
+    def summary(self) -> str:
+        """Records run and left out, the note on the variants, then `table()` (every refined cell in it)."""
+        n = len(self.dataset.records)
+        lines = [f"{n - len(self.skipped)} of {n} records of '{self.dataset.name}'"]
+        if self.note:
+            lines.append(self.note)
+        lines.append(self.table(max(20, len(self.refined()))))
+        if self.skipped:
+            lines.append(f"left out {len(self.skipped)} of {n} records (--strict stops instead):")
+            lines.extend(f"  {self.dataset.where(self.dataset.records[i])}: {why}" for i, why in self.skipped)
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        return html.pre(self.summary())
+
+    def columns(self) -> list[str]:
+        return ["record", "line", *self.dataset.fields, "sweep", *self.variables, "measure", "variant", "value"]
+
+    def save(self, directory: str | Path) -> Path:
+        """Write `FILES` and a heatmap per measure into `directory`, each replacing its former version at once."""
+        return save_atomically(directory, self._write)
+
+    def _write(self, tmp: Path) -> None:
+        with open(tmp / "results.csv", "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, self.columns(), restval="")
+            w.writeheader()
+            w.writerows({k: (repr(v) if k == "value" else v) for k, v in r.items()} for r in self.rows)
+        cols = ["mean", "std", "n", "ci_low", "ci_high"]
+        with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
+            w2 = csv.writer(f)
+            w2.writerow(["sweep", *self.variables, "measure", "variant", *cols])
+            for c in self.cells:
+                got = [*c.estimates.items(), *((("exact", c.exact),) if c.exact is not None else ())]
+                for variant, s in got:
+                    w2.writerow([self.sweep, *(lab for _, lab in c.point), c.measure, variant,
+                                 *(getattr(s, k) for k in cols)])
+        summary = {"dataset": self.dataset.name, "origin": self.dataset.origin, "records": len(self.dataset.records),
+                   "sweep": self.sweep, "variants": list(self.variants), "default": self.default, "note": self.note,
+                   "axes": dict(self.axes),
+                   "cells": [{**dict(c.point), "measure": c.measure,
+                              **{v: attrs.asdict(s) for v, s in c.estimates.items()},
+                              "exact": None if c.exact is None else attrs.asdict(c.exact)} for c in self.cells],
+                   "left_out": [{"record": i, "line": self.dataset.records[i].line, "why": why}
+                                for i, why in self.skipped]}
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+        (tmp / "program.dl").write_text(self.program, encoding="utf-8")
+        if len(self.axes) == 2:
+            (rv, rows), (cv, cols_) = self.axes
+            for m in dict.fromkeys(c.measure for c in self.cells):
+                means = self.grid(m)
+                grid = [[means.get((r, c), math.nan) for c in cols_] for r in rows]
+                kind = m.split("(")[0]
+                heatmap(grid, cols_, rows, f"{self.sweep}: {m}, {self.default} estimate\nmean over the records", cv,
+                        rv, tmp / f"{self.sweep}-{slug(m)}.png", kind=kind, label=colour_label(m, kind))
+
+
+def attribute_records(programs: Sequence[RecordProgram], ds: Dataset, skipped: tuple[tuple[int, str], ...],
+                      axes: Axes, model: DeltaModel, source: str, filename: str, *, steps: int | None, refine: int,
+                      path: str, exact: Callable[..., Any], console: Console | None = None,
+                      on_record: Callable[[int], None] | None = None) -> DatasetAttribution:
+    """Estimate each record's sweep, average per cell, refine the top `refine` cells on every record."""
+    if refine < 0:
+        raise DeltaError(f"refine is a count (0 or more), got {refine}")
+    if not programs:
+        raise DeltaError(f"no record of '{ds.name}' resolves: nothing to estimate")
+    exps = [Experiment(source, model, filename=filename, resolved=p.resolved) for p in programs]
+    targets = [_each(ds, p, partial(target_of, e)) for p, e in zip(programs, exps, strict=True)]
+    steps, note = _steps(model, ds, programs, targets, steps, path)
+    head = (f"attribution over '{ds.name}': {len(programs)} record(s), {len(targets[0].cells)} cells each, "
+            f"estimated from gradients")
+    got: list[Attribution] = []
+    bar = RecordProgress(console, len(programs), len(programs), "records", head)
+    with bar:
+        for p, e in zip(programs, exps, strict=True):
+            got.append(_each(ds, p, partial(attribute, e, steps=steps, refine=0, path=path)))
+            bar.advance(1, 1)
+            if on_record is not None:
+                on_record(p.record.index)
+    rows = [row for p, t, a in zip(programs, targets, got, strict=True) for row in _rows(ds, p, t, a, a.variants)]
+    variants, default = tuple(got[0].variants), got[0].default
+    top: list[Point] = []
+    if refine and rows:
+        first = rows[0]["measure"]
+        means = _means([r for r in rows if r["measure"] == first and r["variant"] == default], axes)
+        top = sorted(means, key=lambda pt: -abs(means[pt]))[:refine]
+        bar = RecordProgress(console, len(programs), len(programs), "records",
+                             f"refine: {len(top)} cell(s) run exactly on every record")
+        with bar:
+            for p, e, t, a in zip(programs, exps, targets, got, strict=True):
+                rows.extend(_refined(ds, p, e, t, a, set(top), exact))
+                bar.advance(1, 1)
+    cells = _cells(rows, axes, variants)
+    return DatasetAttribution(ds, targets[0].sweep.name, variants, default, axes,
+                              tuple(rows), cells, skipped, source, note)
+
+
+def _each(ds: Dataset, p: RecordProgram, fn: Callable[[], Any]) -> Any:
+    """`fn()`, a DeltaError in it naming the record."""
+    try:
+        return fn()
+    except DeltaError as e:
+        raise DeltaError(f"record {p.record.index + 1} ({ds.where(p.record)}): {e.message}") from None
+
+
+def _steps(model: DeltaModel, ds: Dataset, programs: Sequence[RecordProgram], targets: Sequence[Target],
+           steps: int | None, path: str) -> tuple[int, str]:
+    """The steps every record runs with, and a note where some record has no path (then `plain` for all)."""
+    if steps is not None:
+        if steps < 0:
+            raise DeltaError(f"steps is a count (0 or more), got {steps}")
+        for p, t in zip(programs, targets, strict=True):
+            _each(ds, p, partial(check_path, model, t, steps, path))
+        return steps, ""
+    each = [default_steps(model, t, path) for t in targets]
+    if min(each) == max(each):
+        return each[0], ""
+    p = programs[each.index(0)]
+    return 0, (f"plain only: record {p.record.index + 1} ({ds.where(p.record)}) has no path to integrate along "
+               f"(a donor of another length than its prompt), and every record gets the same estimates")
+
+
+def _points(p: RecordProgram, t: Target, cell: tuple[int, int]) -> list[Point]:
+    """The labels a record's cell (block, token) has: every combination of its block's and its token's."""
+    at = {a.var: (cell[0] if a.kind == "block" else cell[1]) for a in t.sweep.axes}
+    out: list[Point] = [()]
+    for a in t.sweep.axes:
+        out = [(*pt, (a.var, lab)) for pt in out for lab in p.labels[a.var][at[a.var]]]
+    return out
+
+
+def _rows(ds: Dataset, p: RecordProgram, t: Target, a: Attribution, variants: Sequence[str]) -> list[dict[str, Any]]:
+    """A record's estimates in long format, one row per label combination, measure and variant."""
+    base = {"record": p.record.index, "line": p.record.line, **p.record.fields, "sweep": a.sweep}
+    return [{**base, **dict(pt), "measure": p.measures[r.measure], "variant": v, "value": r.estimates[v]}
+            for r in a.rows for pt in _points(p, t, (r.block, r.position)) for v in variants]
+
+
+def _refined(ds: Dataset, p: RecordProgram, e: Experiment, t: Target, a: Attribution, top: set[Point],
+             exact: Callable[..., Any]) -> list[dict[str, Any]]:
+    """The record's exact effects of its tokens of the `top` cells (the engine, `refine_cells`), as rows."""
+    cells = sorted({c for c in t.cells if top.intersection(_points(p, t, c))})
+    if not cells:
+        return []
+    _each(ds, p, partial(refine_cells, e, t, a, cells, exact))
+    base = {"record": p.record.index, "line": p.record.line, **p.record.fields, "sweep": a.sweep}
+    return [{**base, **dict(pt), "measure": p.measures[r.measure], "variant": "exact", "value": r.exact}
+            for r in a.rows if r.exact is not None for pt in _points(p, t, (r.block, r.position)) if pt in top]
+
+
+def _means(rows: Sequence[dict[str, Any]], axes: Axes) -> dict[Point, float]:
+    groups: dict[Point, list[float]] = {}
+    for r in rows:
+        groups.setdefault(tuple((v, r[v]) for v, _ in axes), []).append(r["value"])
+    return {pt: sum(xs) / len(xs) for pt, xs in groups.items()}
+
+
+def _cells(rows: Sequence[dict[str, Any]], axes: Axes, variants: Sequence[str]) -> tuple[CellAttribution, ...]:
+    """Statistics per cell, measure and variant; cells in the order of their axes' labels, measures as first seen."""
+    groups: dict[tuple[Point, str], dict[str, list[float]]] = {}
+    for r in rows:
+        key = (tuple((v, r[v]) for v, _ in axes), r["measure"])
+        groups.setdefault(key, {}).setdefault(r["variant"], []).append(r["value"])
+    index = {v: {lab: i for i, lab in enumerate(labels)} for v, labels in axes}
+    measures = list(dict.fromkeys(r["measure"] for r in rows))
+    keys = sorted(groups, key=lambda k: (tuple(index[v][lab] for v, lab in k[0]), measures.index(k[1])))
+    return tuple(CellAttribution(pt, m, {v: stats_of(m, groups[(pt, m)][v]) for v in variants},
+                                 stats_of(m, groups[(pt, m)]["exact"]) if "exact" in groups[(pt, m)] else None)
+                 for pt, m in keys)
