@@ -36,7 +36,7 @@ import attrs
 
 from . import ast, html
 from .compiled import Experiment
-from .dataset_store import RecordProgress, RecordStore
+from .dataset_store import RecordProgress, RecordStore, write_long_csv
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
@@ -128,10 +128,7 @@ class DatasetResults:
 
     def _write(self, tmp: Path) -> None:
         fields = list(self.dataset.fields)
-        with open(tmp / "results.csv", "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, ["record", "line", *fields, "measure", "value"], restval="")
-            w.writeheader()
-            w.writerows(self.rows)
+        write_long_csv(tmp / "results.csv", ["record", "line", *fields, "measure", "value"], self.rows)
         cols = ["measure", "mean", "std", "n", "ci_low", "ci_high"]
         with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
             w2 = csv.writer(f)

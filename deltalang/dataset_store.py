@@ -15,6 +15,9 @@ caller writes the final files (the CSV again in record order) and then `finish()
 marks the run complete. Values go through `repr(float)`, so read back they are
 the same floats. Problems are DeltaErrors.
 
+`write_long_csv(path, columns, rows)` writes a finished run's `results.csv` in the same form (one
+home for it: runs, dataset sweeps and attribution over a dataset write it).
+
 `RecordProgress` is the progress line of such a run (rich, on the console given;
 nothing without one): records done of all, the cells or measures done, the rate,
 time left.
@@ -122,7 +125,7 @@ class RecordStore:
 
     def add(self, record: int, rows: Sequence[Mapping[str, Any]]) -> None:
         """Append a finished record's rows, sync, then mark it done."""
-        text = [{k: (repr(float(v)) if k == "value" else str(v)) for k, v in r.items()} for r in rows]
+        text = [_as_text(r) for r in rows]
         with open(self.csv, "a", newline="", encoding="utf-8") as f:
             csv.DictWriter(f, self.columns, restval="").writerows(text)
             _sync(f)
@@ -134,6 +137,19 @@ class RecordStore:
         """Mark the run complete (the caller has written its final files)."""
         self.meta["complete"] = True
         self._write_meta()
+
+
+def _as_text(row: Mapping[str, Any]) -> dict[str, str]:
+    """A long-format row as written: `value` through `repr(float)` (read back, the same float), the rest `str`."""
+    return {k: (repr(float(v)) if k == "value" else str(v)) for k, v in row.items()}
+
+
+def write_long_csv(path: Path, columns: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> None:
+    """`results.csv` of a finished run: a header of `columns`, then the rows (missing columns empty)."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, list(columns), restval="")
+        w.writeheader()
+        w.writerows(_as_text(r) for r in rows)
 
 
 def _sync(f: Any) -> None:

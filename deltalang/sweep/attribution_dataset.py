@@ -42,7 +42,7 @@ import attrs
 from .. import html
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, stats_of
-from ..dataset_store import RecordProgress
+from ..dataset_store import RecordProgress, write_long_csv
 from ..datasets import Dataset, Record
 from ..errors import DeltaError
 from ..ir import Resolved
@@ -162,10 +162,7 @@ class DatasetAttribution:
         return save_atomically(directory, self._write)
 
     def _write(self, tmp: Path) -> None:
-        with open(tmp / "results.csv", "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, self.columns(), restval="")
-            w.writeheader()
-            w.writerows({k: (repr(v) if k == "value" else v) for k, v in r.items()} for r in self.rows)
+        write_long_csv(tmp / "results.csv", self.columns(), self.rows)
         cols = ["mean", "std", "n", "ci_low", "ci_high"]
         with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
             w2 = csv.writer(f)

@@ -50,14 +50,14 @@ import attrs
 from .. import ast
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
-from ..dataset_store import RecordProgress, RecordStore
+from ..dataset_store import RecordProgress, RecordStore, write_long_csv
 from ..datasets import Dataset, Record
 from ..errors import DeltaError
 from ..ir import Resolved, ResolvedRun
 from ..model import DeltaModel
 from ..parse import parse
 from ..resolve import resolve_records
-from ..resolve.dataset import axis_positions, field_prompt, measure_label, on_dataset
+from ..resolve.dataset import axis_positions, field_prompt, measure_label
 from ..results import save_atomically
 from .attribution import Method, method_of
 from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records
@@ -158,10 +158,7 @@ class DatasetSweepResults:
         return save_atomically(directory, self._write)
 
     def _write(self, tmp: Path) -> None:
-        with open(tmp / "results.csv", "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, self.columns(), restval="")
-            w.writeheader()
-            w.writerows({k: (repr(v) if k == "value" else v) for k, v in r.items()} for r in self.rows)
+        write_long_csv(tmp / "results.csv", self.columns(), self.rows)
         cols = ["mean", "std", "n", "ci_low", "ci_high"]
         with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
             w2 = csv.writer(f)
