@@ -25,9 +25,7 @@ Results (`DatasetResults`): `rows` in long format (`record`, `line`, the record'
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -36,7 +34,7 @@ import attrs
 
 from . import ast, html
 from .compiled import Experiment
-from .dataset_store import RecordProgress, RecordStore, write_long_csv
+from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
@@ -130,16 +128,8 @@ class DatasetResults:
         fields = list(self.dataset.fields)
         write_long_csv(tmp / "results.csv", ["record", "line", *fields, "measure", "value"], self.rows)
         cols = ["measure", "mean", "std", "n", "ci_low", "ci_high"]
-        with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
-            w2 = csv.writer(f)
-            w2.writerow(cols)
-            w2.writerows([getattr(s, c) for c in cols] for s in self.stats)
-        summary = {"dataset": self.dataset.name, "origin": self.dataset.origin,
-                   "records": len(self.dataset.records), "measures": [attrs.asdict(s) for s in self.stats],
-                   "left_out": [{"record": i, "line": self.dataset.records[i].line, "why": why}
-                                for i, why in self.skipped]}
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
-        (tmp / "program.dl").write_text(self.program, encoding="utf-8")
+        write_summary(tmp, cols, ([getattr(s, c) for c in cols] for s in self.stats),
+                      {"measures": [attrs.asdict(s) for s in self.stats]}, self.dataset, self.skipped, self.program)
 
     def _repr_html_(self) -> str:
         """Notebooks: the statistics and the records left out as tables (`deltalang.html`)."""

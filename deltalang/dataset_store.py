@@ -15,8 +15,9 @@ caller writes the final files (the CSV again in record order) and then `finish()
 marks the run complete. Values go through `repr(float)`, so read back they are
 the same floats. Problems are DeltaErrors.
 
-`write_long_csv(path, columns, rows)` writes a finished run's `results.csv` in the same form (one
-home for it: runs, dataset sweeps and attribution over a dataset write it).
+`write_long_csv(path, columns, rows)` writes a finished run's `results.csv` in the same form and
+`write_summary(DIR, ...)` its `summary.csv`, `summary.json` and `program.dl` (one home for them: runs,
+dataset sweeps and attribution over a dataset write them).
 
 `RecordProgress` is the progress line of such a run (rich, on the console given;
 nothing without one): records done of all, the cells or measures done, the rate,
@@ -30,13 +31,15 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from .errors import DeltaError
 from .html import NotebookProgress, ProgressDisplay
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from .datasets import Dataset
 
 CSV_NAME, META_NAME = "results.csv", "progress.json"
 
@@ -150,6 +153,20 @@ def write_long_csv(path: Path, columns: Sequence[str], rows: Sequence[Mapping[st
         w = csv.DictWriter(f, list(columns), restval="")
         w.writeheader()
         w.writerows(_as_text(r) for r in rows)
+
+
+def write_summary(directory: Path, header: Sequence[str], rows: Iterable[Sequence[Any]], summary: Mapping[str, Any],
+                  dataset: Dataset, skipped: Sequence[tuple[int, str]], program: str) -> None:
+    """`summary.csv` (`header`, then `rows`), `summary.json` (the dataset's name, origin and size, `summary`, the
+    records left out with their lines and why) and `program.dl` (the program as written)."""
+    with open(directory / "summary.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    whole = {"dataset": dataset.name, "origin": dataset.origin, "records": len(dataset.records), **summary,
+             "left_out": [{"record": i, "line": dataset.records[i].line, "why": why} for i, why in skipped]}
+    (directory / "summary.json").write_text(json.dumps(whole, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    (directory / "program.dl").write_text(program, encoding="utf-8")
 
 
 def _sync(f: Any) -> None:

@@ -29,8 +29,6 @@ or grads change (see `attribution`).
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -42,7 +40,7 @@ import attrs
 from .. import html
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, stats_of
-from ..dataset_store import RecordProgress, write_long_csv
+from ..dataset_store import RecordProgress, write_long_csv, write_summary
 from ..datasets import Dataset, Record
 from ..errors import DeltaError
 from ..ir import Resolved
@@ -164,24 +162,16 @@ class DatasetAttribution:
     def _write(self, tmp: Path) -> None:
         write_long_csv(tmp / "results.csv", self.columns(), self.rows)
         cols = ["mean", "std", "n", "ci_low", "ci_high"]
-        with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
-            w2 = csv.writer(f)
-            w2.writerow(["sweep", *self.variables, "measure", "variant", *cols])
-            for c in self.cells:
-                got = [*c.estimates.items(), *((("exact", c.exact),) if c.exact is not None else ())]
-                for variant, s in got:
-                    w2.writerow([self.sweep, *(lab for _, lab in c.point), c.measure, variant,
-                                 *(getattr(s, k) for k in cols)])
-        summary = {"dataset": self.dataset.name, "origin": self.dataset.origin, "records": len(self.dataset.records),
-                   "sweep": self.sweep, "variants": list(self.variants), "default": self.default, "note": self.note,
+        rows = ([self.sweep, *(lab for _, lab in c.point), c.measure, variant, *(getattr(s, k) for k in cols)]
+                for c in self.cells
+                for variant, s in [*c.estimates.items(), *((("exact", c.exact),) if c.exact is not None else ())])
+        summary = {"sweep": self.sweep, "variants": list(self.variants), "default": self.default, "note": self.note,
                    "axes": dict(self.axes),
                    "cells": [{**dict(c.point), "measure": c.measure,
                               **{v: attrs.asdict(s) for v, s in c.estimates.items()},
-                              "exact": None if c.exact is None else attrs.asdict(c.exact)} for c in self.cells],
-                   "left_out": [{"record": i, "line": self.dataset.records[i].line, "why": why}
-                                for i, why in self.skipped]}
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
-        (tmp / "program.dl").write_text(self.program, encoding="utf-8")
+                              "exact": None if c.exact is None else attrs.asdict(c.exact)} for c in self.cells]}
+        write_summary(tmp, ["sweep", *self.variables, "measure", "variant", *cols], rows, summary, self.dataset,
+                      self.skipped, self.program)
         if len(self.axes) == 2:
             (rv, rows), (cv, cols_) = self.axes
             for m in dict.fromkeys(c.measure for c in self.cells):

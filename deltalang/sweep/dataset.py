@@ -35,10 +35,8 @@ record and averaged per cell by `sweep.attribution_dataset` (its `--resume` and 
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import itertools
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -50,7 +48,7 @@ import attrs
 from .. import ast
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
-from ..dataset_store import RecordProgress, RecordStore, write_long_csv
+from ..dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
 from ..datasets import Dataset, Record
 from ..errors import DeltaError
 from ..ir import Resolved, ResolvedRun
@@ -160,20 +158,12 @@ class DatasetSweepResults:
     def _write(self, tmp: Path) -> None:
         write_long_csv(tmp / "results.csv", self.columns(), self.rows)
         cols = ["mean", "std", "n", "ci_low", "ci_high"]
-        with open(tmp / "summary.csv", "w", newline="", encoding="utf-8") as f:
-            w2 = csv.writer(f)
-            w2.writerow(["sweep", *self.variables, "measure", *cols])
-            for c in self.stats:
-                at = dict(c.point)
-                w2.writerow([c.sweep, *(at.get(v, "") for v in self.variables), c.stats.measure,
-                             *(getattr(c.stats, k) for k in cols)])
-        summary = {"dataset": self.dataset.name, "origin": self.dataset.origin, "records": len(self.dataset.records),
-                   "normalise": self.normalise, "axes": {s: dict(a) for s, a in self.axes.items()},
-                   "cells": [{"sweep": c.sweep, **dict(c.point), **attrs.asdict(c.stats)} for c in self.stats],
-                   "left_out": [{"record": i, "line": self.dataset.records[i].line, "why": why}
-                                for i, why in self.skipped]}
-        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n", encoding="utf-8")
-        (tmp / "program.dl").write_text(self.program, encoding="utf-8")
+        rows = ([c.sweep, *(dict(c.point).get(v, "") for v in self.variables), c.stats.measure,
+                 *(getattr(c.stats, k) for k in cols)] for c in self.stats)
+        summary = {"normalise": self.normalise, "axes": {s: dict(a) for s, a in self.axes.items()},
+                   "cells": [{"sweep": c.sweep, **dict(c.point), **attrs.asdict(c.stats)} for c in self.stats]}
+        write_summary(tmp, ["sweep", *self.variables, "measure", *cols], rows, summary, self.dataset, self.skipped,
+                      self.program)
         for sweep, axes in self.axes.items():
             if len(axes) == 2:
                 for m in self.measures(sweep):
