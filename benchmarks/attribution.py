@@ -42,7 +42,7 @@ from deltalang.bundled import world  # noqa: E402
 from deltalang.model import wrap_model  # noqa: E402
 from deltalang.run import Experiment  # noqa: E402
 from deltalang.sweep import run_sweeps  # noqa: E402
-from deltalang.sweep.attribution import DEFAULT_STEPS, PATHS  # noqa: E402
+from deltalang.sweep.attribution import DONOR_STEPS, PATHS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL_GRID = "--full-grid" in sys.argv
@@ -58,7 +58,7 @@ WRITES = {
 # to zero, what zeroing its state at every token gives)
 PATHS_OF = {"state, donor": (("blocks", (1, 2, 4, 8)), ("outputs", (4,)), ("embeddings", (4,))),
             "memory, donor": (("blocks", (1, 2, 4, 8)), ("outputs", (4,))),
-            "state, zeros": (("blocks", (4,)),), "memory, zeros": (("blocks", (4,)),)}
+            "state, zeros": (("blocks", (2, 4, 8)),), "memory, zeros": (("blocks", (2, 4, 8)),)}
 
 
 def landmark_pairs(n: int | None) -> list[tuple[str, str, str, str]]:
@@ -205,8 +205,8 @@ def speed(threads: int) -> None:
     d = model.spec.dims
     block = len(ids[0]) * d["heads"] * d["key_dim"] * d["value_dim"] * 4 / 2**20
     times = {}
-    runs = [(f"estimate (blocks, k={k}{', the default' if k == DEFAULT_STEPS else ''}) + refine top 20",
-             {"steps": k}) for k in sorted({DEFAULT_STEPS, 2, 4}, reverse=True)]
+    runs = [(f"estimate (blocks, k={k}{', the default' if k == DONOR_STEPS else ''}) + refine top 20",
+             {"steps": k}) for k in sorted({DONOR_STEPS, 2, 4}, reverse=True)]
     for name, kw in (*runs, ("estimate (plain) + refine top 20", {"steps": 0})):
         t0 = time.perf_counter()
         est = deltalang.run_sweep(src, model, method="attribution", refine=20, **kw)
@@ -266,7 +266,7 @@ def main() -> None:
         res = quality(model, landmark_pairs(args.pairs), "landmarks", WRITES)
         quality(model, recall_pairs(args.recall), "recall", {"state, donor": WRITES["state, donor"]})
         if args.png:
-            scatter(res, Path(args.png), f"blk{DEFAULT_STEPS}")
+            scatter(res, Path(args.png), f"blk{DONOR_STEPS}")
     if not args.no_speed:
         speed(args.threads)
 

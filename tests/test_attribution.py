@@ -140,6 +140,13 @@ def test_plain_estimates_equal_small_exact_patches(model: deltalang.DeltaModel, 
         assert abs(exact) > 1e-4
 
 
+def test_the_default_points_follow_the_source(model: deltalang.DeltaModel) -> None:
+    """k = 2 for a donor's value, 4 for zeros (a longer path: the README's quality table)."""
+    donor = deltalang.run_sweep(_program("write L.state_after(t) from other"), model, method="attribution")
+    zeros = deltalang.run_sweep(_program("write L.state_after(t) = zeros"), model, method="attribution")
+    assert (donor.default, zeros.default) == ("blk2", "blk4")
+
+
 def test_refined_cells_are_the_exact_patches(model: deltalang.DeltaModel, tmp_path: Path) -> None:
     src = _program("write L.state_after(t) from other; write L.conv_window_after(t) from other")
     got = deltalang.run_sweep(src, model, method="attribution", steps=2, refine=3, out=tmp_path)

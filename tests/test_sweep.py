@@ -118,6 +118,29 @@ def test_engine_equals_the_naive_path_on_the_other_families(family: str) -> None
         assert abs(fast.results[key] - value) <= ATOL * max(1.0, abs(value)), (family, key)
 
 
+def test_cells_at_nearby_starts_share_a_forward(model: deltalang.DeltaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later start joins an earlier start's forward while its rows x the positions between cost little (a
+    forward's fixed cost): a sparse set of cells, like attribution's refined ones, is not one forward each.
+    The values stay the reference path's."""
+    engine = importlib.import_module("deltalang.sweep.engine")
+    real, calls = engine.run_rows, []
+
+    def counted(m: deltalang.DeltaModel, cap: object, rows: list, start: int, *rest: object) -> object:
+        calls.append((start, len(rows)))
+        return real(m, cap, rows, start, *rest)
+
+    monkeypatch.setattr(engine, "run_rows", counted)
+    src = PROMPTS + ('sweep z on clean over L in L[linear], t in 3, 4, 6, 20 {\n'
+                     f'    write L.state_after(t) from other\n    measure {MEASURES}\n}}\n')
+    fast = run_sweep(src, model, progress=False)
+    blocks = len(model.spec.linear_layers())
+    assert fast.paths["z"] == "engine" and calls == [(3, 3 * blocks), (20, blocks)]  # 20: 17 positions x blocks
+    naive = run_sweep(src, model, progress=False, engine="naive")
+    assert set(fast.results) == set(naive.results)
+    for key, value in naive.results.items():
+        assert abs(fast.results[key] - value) <= ATOL * max(1.0, abs(value)), key
+
+
 def test_donors_from_a_trace_with_writes_and_several_captures(model: deltalang.DeltaModel,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """`from RUN` takes RUN's intervened value; start positions split over several clean captures agree."""

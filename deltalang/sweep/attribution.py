@@ -9,7 +9,8 @@ with W the clean value, W' the written one and g a gradient of M with respect to
 (`deltalang.gradients`: the change propagates through block L's clean transitions by the delta
 rule's adjoint scan, one block's per-token states at a time, two with the donor's). Variants:
 - `plain`: g at the clean run (first-order attribution patching);
-- `blk<k>` (path "blocks", the default): for each block L, g averaged over k points a = (j + 1/2)/k
+- `blk<k>` (path "blocks", the default; k = 2 for a donor, 4 for zeros or scale: `default_steps`): for
+  each block L, g averaged over k points a = (j + 1/2)/k
   of a path on which block L's kernel output moves from the clean run's to the donor's (all of
   block L's cells together, the rest of the model recomputed; one pass per block from block L on,
   the k points as rows: `paths.block_paths`). The patch of one cell changes block L's outputs
@@ -49,7 +50,11 @@ from .paths import PATHS, PathEnds, gradient_runs, ids_of, measure_of, record_fo
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
-DEFAULT_STEPS = 4
+# the default points of a path, from benchmarks/attribution.py's quality table (README): a donor's value is
+# a short path (k = 2 ranks the cells within 0.002 of k = 4, at half the passes); zeros and scale move each
+# block's output much further (zero-ablation: 0.67 at k = 2, 0.77 at k = 4)
+DONOR_STEPS = 2
+FACTOR_STEPS = 4
 DEFAULT_PATH = "blocks"
 
 
@@ -187,9 +192,10 @@ def _run(exp: Experiment, name: str) -> ResolvedRun:
 
 
 def default_steps(model: DeltaModel, target: Target, path: str) -> int:
-    """`DEFAULT_STEPS` where the writes have a path (one donor of the clean length, zeros or one scale), else 0."""
-    fits = target.donor is not None and len(model.spec.token_ids(target.donor)) == len(target.sweep.token_ids)
-    return DEFAULT_STEPS if fits or (target.factor is not None and path != "embeddings") else 0
+    """`DONOR_STEPS` for one donor of the clean length, `FACTOR_STEPS` for zeros or one scale, else 0 (no path)."""
+    if target.donor is not None and len(model.spec.token_ids(target.donor)) == len(target.sweep.token_ids):
+        return DONOR_STEPS
+    return FACTOR_STEPS if target.factor is not None and path != "embeddings" else 0
 
 
 def check_path(model: DeltaModel, target: Target, steps: int, path: str) -> None:
@@ -286,24 +292,43 @@ def estimates(model: DeltaModel, target: Target, clean: gradients.Recording,
         states = {c[1]: vals.delta(op) for c in cells for op in target.writes[c] if op.value == "state_after"}
         windows = {c[1]: vals.delta(op) for c in cells for op in target.writes[c] if op.value == "conv_window_after"}
         for label, variants in runs.items():
-            for variant, got in variants.items():
-                recs = got[block] if isinstance(got, dict) else got
-                rows = sum(int(r.blocks[block].grad_out.shape[0]) for r in recs)  # type: ignore[union-attr]
-                total = {c: 0.0 for c in cells}
-                for rec in recs:
-                    blk = rec.blocks[block]
-                    if states:
-                        zero = torch.zeros_like(next(iter(states.values())))
-                        dots = gradients.state_dots(fam, clean.blocks[block], lambda t: states.get(t, zero), blk)
-                        for c in cells:
-                            total[c] += float(dots[:, c[1]].sum()) if c[1] in states else 0.0
-                    if windows:
-                        wg = gradients.window_gradients(blk)
-                        for c in cells:
-                            if c[1] in windows:
-                                total[c] += float((wg[:, c[1]] * windows[c[1]]).sum())
-                out.setdefault((label, variant), {}).update({c: v / rows for c, v in total.items()})
+            names = list(variants)
+            # each variant's gradient at the output, averaged over its rows (the estimate is linear in it),
+            # one row per variant in one scan
+            grads = [_mean_gradient(variants[v][block] if isinstance(variants[v], dict) else variants[v], block)
+                     for v in names]
+            convs = [g.grad_conv for g in grads]
+            blk = attrs.evolve(grads[0], grad_out=torch.cat([g.grad_out for g in grads]),  # type: ignore[misc]
+                               grad_conv=None if _absent(convs) else torch.cat(convs))  # type: ignore[arg-type]
+            total = torch.zeros(len(names), len(cells), dtype=torch.float64)
+            if states:
+                zero = torch.zeros_like(next(iter(states.values())))
+                dots = gradients.state_dots(fam, clean.blocks[block], lambda t: states.get(t, zero), blk)
+                for n, c in enumerate(cells):
+                    if c[1] in states:
+                        total[:, n] += dots[:, c[1]].double()
+            if windows:
+                wg = gradients.window_gradients(blk)
+                for n, c in enumerate(cells):
+                    if c[1] in windows:
+                        total[:, n] += (wg[:, c[1]] * windows[c[1]]).flatten(1).sum(-1).double()
+            for v, name in enumerate(names):
+                out.setdefault((label, name), {}).update({c: float(total[v, n]) for n, c in enumerate(cells)})
     return out
+
+
+def _absent(tensors: Sequence[torch.Tensor | None]) -> bool:
+    return any(t is None for t in tensors)
+
+
+def _mean_gradient(recs: Sequence[gradients.Recording], block: int) -> gradients.BlockRecord:
+    """`block`'s record with its gradients at the output and convolution averaged over every row of `recs`."""
+    blks = [r.blocks[block] for r in recs]
+    rows = sum(int(b.grad_out.shape[0]) for b in blks)  # type: ignore[union-attr]
+    out = sum(b.grad_out.sum(0, keepdim=True) for b in blks) / rows  # type: ignore[union-attr]
+    convs = [b.grad_conv for b in blks]
+    conv = None if _absent(convs) else sum(c.sum(0, keepdim=True) for c in convs) / rows  # type: ignore[union-attr]
+    return attrs.evolve(blks[0], grad_out=out, grad_conv=conv)
 
 
 # -- refining and the whole method ---------------------------------------------------------------
