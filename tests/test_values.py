@@ -397,6 +397,38 @@ def test_invokes_at_their_own_positions_equal_the_cache_and_hold_one_batch_of_st
     assert sum(storages.values()) <= len(layers) * 2 * len(texts) * one
 
 
+def test_invokes_at_their_own_positions_share_each_kernel_call(loaded: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invokes cut at their own positions (a dataset's records) share each kernel call: three invokes asking one
+    position each take two calls per block (each to its position, right-aligned behind neutral tokens; then each
+    to the end), not two per invoke; the values are the cache's."""
+    model, hf = loaded
+    real, calls = kernels.prompt_kernel, []
+
+    def counted(fam: object, device: object = None) -> object:
+        fn = real(fam, device)  # type: ignore[arg-type]
+
+        def run(*args: object, **kwargs: object) -> object:
+            calls.append(1)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(kernels, "prompt_kernel", counted)
+    texts = (PROMPT, OTHER, "The Colosseum is in Rome")
+    asked = (3, 9, 5)
+    layers = model.spec.linear_layers()
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    with torch.no_grad(), model.trace() as tracer:
+        for n, (text, t) in enumerate(zip(texts, asked)):
+            with tracer.invoke(text):
+                for i in layers:
+                    got[n, i] = model.layers[i].linear_attn.state_after(t).save()
+    assert len(calls) == 2 * len(layers)
+    for n, (text, t) in enumerate(zip(texts, asked)):
+        cache = _cache_after(hf, _ids(model, text)[:, : t + 1])
+        for i in layers:
+            torch.testing.assert_close(got[n, i], cache.get_recurrent_state(i), atol=1e-5, rtol=0)
+
+
 def test_a_compiled_kernel_is_reported_with_its_fix() -> None:
     """With flash-linear-attention installed the kernel name holds compiled code without source."""
     fam = deltalang.families.qwen3_5

@@ -1,13 +1,24 @@
 """Rows of one delta-rule call that ask for different positions, split apart: `split_by_rows`.
 
 `DeltaRuleCall._split` runs the whole batch in segments ending at every asked
-position. When the invokes sharing a forward ask for different positions (the
-records of a dataset, each at its own subject, left-padded to one length), every
-row would be cut at every row's positions: the chunked kernel's work grows with
-the number of distinct positions. Here the rows are grouped by the positions
-their invokes ask for, and each group runs its own segments on its own rows, so
-each row is cut only where it asks. The values are the same: a row's segments
-are the kernel over the same tokens from the same states.
+position. When the rows of a call ask for different positions (the records of a
+dataset, each at its own subject, left-padded to one length; the engine's cells
+writing at their own positions), every row would be cut at every row's
+positions, and each cut is a kernel call (the chunked kernel pads a short
+segment to a whole chunk). Here the rows are grouped by the positions they ask
+for, each group is cut only where it asks, and the groups advance together in
+rounds: in a round every group with a position still to reach runs its next
+segment, and one kernel call runs the segments of a round that take the same
+number of chunks (a chunked kernel pays whole chunks of 64 tokens a row), each
+right-aligned behind neutral tokens (zero queries, keys, values, betas and log
+decays: the state passes through them unchanged, their outputs are dropped); a
+last round runs every group to the end. A dataset's forward is then a few
+kernel calls per block, not two per record, for the same chunks. The values are the same to float summation noise:
+each row's segments are the kernel over the same tokens from the same states.
+
+Groups: the invokes of a trace (rows of one nnsight invoke ask together; their
+requests are named `...@FIRST_ROW`), or, without a trace, the rows of the
+engine's direct writes (`MixerSite.direct`), grouped by the positions they write.
 
 The workers of an invoke see full-batch tensors, as always: a state served at a
 group's position is the full batch's shape with the group's rows filled in (the
@@ -18,17 +29,20 @@ own rows: a saved state is a view of it, so a buffer per group would keep
 groups x batch states alive per block (at 32 records of a 0.8B-shaped model,
 18 GiB) where one keeps the batch's.
 
-Contract: `split_by_rows(call, run_rows, s, initial, step, query, l2)` returns the
+Contract: `split_by_rows(call, run_aligned, s, initial, step, query, l2)` returns the
 head outputs and final states of the whole batch and each group's rows with its
 segments `(start, end, state at start)` (for `states_as_run`), or None when the rows
-cannot or need not be told apart (one group; a request for every row; a direct
-write); then the caller runs `_split` as before.
+cannot or need not be told apart (one group; a request for every row); then the
+caller runs `_split` as before. `run_aligned(parts, states)` runs one kernel call
+over `parts` (rows, start, end), each right-aligned to the longest, from `states`
+(one per part, None: zeros), and gives the outputs `[rows, longest, ...]` and final states.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
+import attrs
 import torch
 
 from .. import kernels
@@ -37,7 +51,10 @@ from .requests import DIRECT
 if TYPE_CHECKING:
     from .state import DeltaRuleCall
 
-RunRows = Callable[[list[int], int, int, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+Part = tuple[list[int], int, int]  # rows, start, end
+CHUNK = 64  # tokens per chunk of the chunked kernels (transformers' torch reference and FLA's)
+RunAligned = Callable[[list[Part], list["torch.Tensor | None"]], tuple[torch.Tensor, torch.Tensor]]
+Segments = list[tuple[int, int, "torch.Tensor | None"]]
 
 
 def _invokes(call: DeltaRuleCall, b: int) -> dict[int, list[int]] | None:
@@ -52,10 +69,43 @@ def _invokes(call: DeltaRuleCall, b: int) -> dict[int, list[int]] | None:
     return out if out else None
 
 
-def row_groups(call: DeltaRuleCall, step: int, b: int) -> list[list[int]] | None:
-    """Rows grouped by the positions their invokes ask for now; None when that gives one group."""
-    if call.direct or b < 2:
+@attrs.define
+class Group:
+    """Rows cut at the same positions: where they are, their state there, what they have run."""
+
+    rows: list[int]
+    starts: frozenset[str] | None  # the invokes' first rows (as in request names); None: direct writes
+    pos: int = 0
+    state: torch.Tensor | None = None
+    served: int = 0  # states served so far (the k of the shared buffers)
+    pieces: list[torch.Tensor] = attrs.Factory(list)
+    segments: Segments = attrs.Factory(list)
+
+    def owns(self, name: str) -> bool:
+        if self.starts is None:
+            return name.endswith(DIRECT)  # a direct write at a position of this group writes its rows
+        return "@" in name and not name.endswith(DIRECT) and name.rsplit("@", 1)[1] in self.starts
+
+    def next_position(self, call: DeltaRuleCall, step: int) -> int | None:
+        """The first position at or after `pos` this group asks for (None: none left)."""
+        later = [p for p, names in call.positions("state_after", step).items()
+                 if p >= self.pos and any(self.owns(n) for n in names) and self._mine(call, p)]
+        return min(later) if later else None
+
+    def _mine(self, call: DeltaRuleCall, p: int) -> bool:
+        if self.starts is not None:
+            return True
+        rows, _ = call.direct[("state_after", p)]
+        return self.rows[0] in set(rows.tolist())
+
+
+def row_groups(call: DeltaRuleCall, step: int, b: int) -> list[Group] | None:
+    """Rows grouped by the positions they ask for now; None when that gives one group."""
+    if b < 2:
         return None
+    if call.direct:  # the engine's writes, without a trace (with one, the whole-batch split serves both)
+        il = call.interleaver
+        return None if il is not None and il.interleaving else _direct_groups(call, b)
     invokes = _invokes(call, b)
     if invokes is None:
         return None
@@ -70,74 +120,109 @@ def row_groups(call: DeltaRuleCall, step: int, b: int) -> list[list[int]] | None
             asked[start].add(p)
     by_key: dict[frozenset[int], list[int]] = {}
     for start, positions in asked.items():
-        by_key.setdefault(frozenset(positions), []).extend(invokes[start])
-    covered = sorted(r for rows in by_key.values() for r in rows)
+        by_key.setdefault(frozenset(positions), []).append(start)
+    covered = sorted(r for starts in by_key.values() for s in starts for r in invokes[s])
     if len(by_key) < 2 or covered != list(range(b)):
         return None
-    return [sorted(rows) for rows in by_key.values()]
+    return [Group(sorted(r for s in starts for r in invokes[s]), frozenset(str(s) for s in starts))
+            for starts in by_key.values()]
 
 
-Segments = list[tuple[int, int, "torch.Tensor | None"]]
+def _direct_groups(call: DeltaRuleCall, b: int) -> list[Group] | None:
+    """The rows of the engine's direct writes, grouped by the positions they write the state at."""
+    where: dict[int, set[int]] = {r: set() for r in range(b)}
+    for (kind, pos), (rows, _) in call.direct.items():
+        if kind == "state_after":
+            for r in rows.tolist():
+                where[int(r)].add(pos)
+    by_key: dict[frozenset[int], list[int]] = {}
+    for r, positions in where.items():
+        by_key.setdefault(frozenset(positions), []).append(r)
+    if len(by_key) < 2:
+        return None
+    return [Group(rows, None) for rows in by_key.values()]
 
 
-def split_by_rows(call: DeltaRuleCall, run_rows: RunRows, s: int, initial: torch.Tensor | None, step: int,
+def split_by_rows(call: DeltaRuleCall, run_aligned: RunAligned, s: int, initial: torch.Tensor | None, step: int,
                   query: torch.Tensor, l2: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], Segments]]] | None:
-    """Each group of rows in its own segments (see the module doc); None: use the whole-batch split."""
+    """The groups in rounds of one aligned kernel call each (see the module doc); None: the whole-batch split."""
     b = query.shape[0]
     groups = row_groups(call, step, b)
     if groups is None:
         return None
-    outs: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
-    segments: list[tuple[list[int], Segments]] = []
+    for g in groups:
+        g.state = None if initial is None else initial[g.rows]
     shared: dict[int, torch.Tensor] = {}  # k -> the full-batch buffer of every group's k-th served state
-    for rows in groups:
-        segs: Segments = []
-        out, final = _split_rows(call, run_rows, rows, s, initial, step, query, l2, segs, shared)
-        outs.append((rows, out, final))
-        segments.append((rows, segs))
-    _, out0, final0 = outs[0]
-    out = out0.new_empty((b, *out0.shape[1:]))
-    final = final0.new_empty((b, *final0.shape[1:]))
-    for rows, o, f in outs:
-        out[rows] = o
-        final[rows] = f
-    return out, final, segments
-
-
-def _split_rows(call: DeltaRuleCall, run_rows: RunRows, rows: list[int], s: int, initial: torch.Tensor | None,
-                step: int, query: torch.Tensor, l2: bool, segments: Segments,
-                shared: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_split` on `rows` only: segments end at the positions these rows' invokes ask for (recorded); the
-    k-th state served is served in `shared[k]` (made at first use), these rows filled in."""
-    starts = {str(r) for r in rows}
-    pieces: list[torch.Tensor] = []
-    pos = 0
-    state = None if initial is None else initial[rows]
-    k = 0  # states served so far: a saved state is a view of its buffer, so each has its own
     while True:
-        asked = {p for p, names in call.positions("state_after", step).items()
-                 if any(n.rsplit("@", 1)[-1] in starts for n in names)}
-        later = sorted(p for p in asked if p >= pos)
-        end = later[0] + 1 if later else s
-        segments.append((pos, end, state))
-        out, state = run_rows(rows, pos, end, state)
-        if later:
-            p = later[0]
-            for name in call._names_at("state_after", step, p):
-                if name.rsplit("@", 1)[-1] not in starts:
-                    continue
-                full = _widen(state, rows, query.shape[0], shared, k)
-                k += 1
-                new = call.serve(name, full, step)
-                if new is not full:
-                    state = call._checked_state(new, query, "state_after")[rows]
-                    out = out.clone()  # token p reads the state it has just written
-                    out[:, -1] = kernels.read_state(call.family, query[rows, p], state, out.shape[2], l2)
-        pieces.append(out)
-        pos = end
-        if pos >= s:
-            return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]), state
+        ends = {id(g): g.next_position(call, step) for g in groups if g.pos < s}
+        asking = [g for g in groups if ends.get(id(g)) is not None]
+        last = not asking
+        todo = [g for g in groups if g.pos < s] if last else asking
+        if not todo:
+            break
+        stops = {id(g): s if last else int(ends[id(g)]) + 1 for g in todo}  # type: ignore[arg-type]
+        _round(call, run_aligned, todo, stops, step, query, l2, shared)
+        if last:
+            break
+    like, final = groups[0].pieces[0], groups[0].state
+    assert final is not None
+    out_all = like.new_empty((b, s, *like.shape[2:]))
+    final_all = final.new_empty((b, *final.shape[1:]))
+    for g in groups:
+        out_all[g.rows] = torch.cat(g.pieces, dim=1) if len(g.pieces) > 1 else g.pieces[0]
+        final_all[g.rows] = g.state  # type: ignore[assignment]
+    return out_all, final_all, [(g.rows, g.segments) for g in groups]
+
+
+def _round(call: DeltaRuleCall, run_aligned: RunAligned, todo: list[Group], stops: dict[int, int], step: int,
+           query: torch.Tensor, l2: bool, shared: dict[int, torch.Tensor]) -> None:
+    """Each group in `todo` from its position to its stop, in as few kernel calls as cost no extra chunk;
+    states served where asked."""
+    parts = [(g.rows, g.pos, stops[id(g)]) for g in todo]
+    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for members in _calls(parts):
+        out, final = run_aligned([parts[n] for n in members], [todo[n].state for n in members])
+        first = 0
+        for n in members:
+            rows, a, e = parts[n]
+            results[n] = out[first:first + len(rows), out.shape[1] - (e - a):], final[first:first + len(rows)]
+            first += len(rows)
+    for n, g in enumerate(todo):
+        (rows, a, e), (piece, state) = parts[n], results[n]
+        g.segments.append((a, e, g.state))
+        p = e - 1
+        for name in _names(call, g, step, p):
+            full = _widen(state, g.rows, query.shape[0], shared, g.served)
+            g.served += 1
+            new = call.serve(name, full, step)
+            if new is not full:
+                state = call._checked_state(new, query, "state_after")[g.rows]
+                piece = piece.clone()  # token p reads the state it has just written
+                piece[:, -1] = kernels.read_state(call.family, query[g.rows, p], state, piece.shape[2], l2)
+        g.pieces.append(piece)
+        g.state, g.pos = state, e
+
+
+def _calls(parts: list[Part]) -> list[list[int]]:
+    """The parts (by index) grouped into kernel calls: a chunked kernel pays whole chunks of `CHUNK` tokens per
+    row, so parts share a call (right-aligned to the longest) only when that gives none of them a chunk more."""
+    order = sorted(range(len(parts)), key=lambda n: -(parts[n][2] - parts[n][1]))
+    calls: list[list[int]] = []
+    for n in order:
+        length = parts[n][2] - parts[n][1]
+        if calls and -(-(parts[calls[-1][0]][2] - parts[calls[-1][0]][1]) // CHUNK) == -(-length // CHUNK):
+            calls[-1].append(n)
+        else:
+            calls.append([n])
+    return calls
+
+
+def _names(call: DeltaRuleCall, g: Group, step: int, p: int) -> Iterator[str]:
+    """The requests of `g` at position p, including those its served workers make next."""
+    for name in call._names_at("state_after", step, p):
+        if g.owns(name) and g._mine(call, p):
+            yield name
 
 
 def _widen(state: torch.Tensor, rows: list[int], b: int, shared: dict[int, torch.Tensor], k: int) -> torch.Tensor:

@@ -30,6 +30,19 @@ if TYPE_CHECKING:
     from ..families import Family
 
 
+def _aligned(x: torch.Tensor, parts: list[tuple[list[int], int, int]], width: int) -> torch.Tensor:
+    """Each part's rows at its positions [a, e), right-aligned to `width` behind zeros (neutral tokens: a zero
+    key, value, beta and log decay leave the state as it was), the parts stacked: `[rows, width, ...]`."""
+    if all(e - a == width for _, a, e in parts):
+        return torch.cat([x[rows, a:e] for rows, a, e in parts])
+    out = x.new_zeros((sum(len(rows) for rows, _, _ in parts), width, *x.shape[2:]))
+    n = 0
+    for rows, a, e in parts:
+        out[n:n + len(rows), width - (e - a):] = x[rows, a:e]
+        n += len(rows)
+    return out
+
+
 class DeltaRuleCall(Requests):
     """The kernel side of `MixerSite`: one delta-rule call, serving every value asked of it."""
 
@@ -88,12 +101,18 @@ class DeltaRuleCall(Requests):
                                       use_qk_l2norm_in_kernel=l2)
                 return out, final
 
-        def run_rows(rows: list[int], a: int, b: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            return fn(query[rows, a:b], key[rows, a:b], value[rows, a:b], g=g[rows, a:b], beta=beta[rows, a:b],
-                      initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+        def run_aligned(parts: list[tuple[list[int], int, int]], states: list[torch.Tensor | None]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+            width = max(e - a for _, a, e in parts)
+            inputs = [_aligned(x, parts, width) for x in (query, key, value, g, beta)]
+            start = None if all(x is None for x in states) else torch.cat([
+                x if x is not None else torch.zeros(len(rows), *self._state_shape(value)[1:], dtype=torch.float32,
+                                                    device=value.device) for x, (rows, _, _) in zip(states, parts)])
+            return fn(inputs[0], inputs[1], inputs[2], g=inputs[3], beta=inputs[4], initial_state=start,
+                      output_final_state=True, use_qk_l2norm_in_kernel=l2)
 
         grouped = None if self.wants("states") else split_by_rows(
-            self, run_rows, s, initial, step, query, l2)  # invokes asking for different positions
+            self, run_aligned, s, initial, step, query, l2)  # rows asking for different positions
         if grouped is not None:
             pieces, state, self.row_segments = [grouped[0]], grouped[1], grouped[2]
         else:

@@ -45,12 +45,12 @@ class Context:
     emit: Callable[[SweepJob, dict[int, list[ResultRow]], dict[str, Any]], None]
 
 
-# A forward's fixed cost (reading every weight, launching every kernel) in rows x positions of work: a
-# forward of one row at a few positions costs on a CPU about what 30-50 rows x positions add to a large one
-# (benchmarks/attribution.py: a 0.8B-shaped model, 1 position 0.33 s, 25 positions 0.87 s, 64 positions
-# 1.09 s). Cells starting at a later position join an earlier start's forward while the positions their
-# rows recompute again (clean, before their write) cost less than that.
-MERGE_WORK = 32
+# A forward's fixed cost (reading every weight, launching every kernel) in rows x positions of work. On a
+# CPU (a 0.8B-shaped model, one row: 1 position 0.33 s, 25 positions 0.87 s) it is about 15 positions of one
+# row; 20 refined cells of one block at positions 39..63 of 64 took 8.1 s in 2 forwards at 16, 9.2 s in 3
+# at 8, 9.2 s in 1 at 32, and 22 s one forward each. Cells starting at a later position join an earlier
+# start's forward while the positions their rows recompute again (clean, before their write) cost less.
+MERGE_WORK = 16
 
 
 def _fast_rows_plan(job: SweepJob, cells: Sequence[Cell]) -> dict[int, list[Cell]]:
