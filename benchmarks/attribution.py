@@ -206,7 +206,7 @@ def speed(threads: int) -> None:
     block = len(ids[0]) * d["heads"] * d["key_dim"] * d["value_dim"] * 4 / 2**20
     times = {}
     runs = [(f"estimate (blocks, k={k}{', the default' if k == DONOR_STEPS else ''}) + refine top 20",
-             {"steps": k}) for k in sorted({DONOR_STEPS, 2, 4}, reverse=True)]
+             {"steps": k}) for k in sorted({DONOR_STEPS, 1, 2, 4}, reverse=True)]
     for name, kw in (*runs, ("estimate (plain) + refine top 20", {"steps": 0})):
         t0 = time.perf_counter()
         est = deltalang.run_sweep(src, model, method="attribution", refine=20, **kw)

@@ -128,7 +128,7 @@ def _exact(model: deltalang.DeltaModel, writes: list[Write]) -> float:
 def test_plain_estimates_equal_small_exact_patches(model: deltalang.DeltaModel, value: str) -> None:
     factor = 1.02  # a small write: first order is exact to O(0.02^2)
     got = deltalang.run_sweep(_program(f"write L.{value}(t) *= {factor}"), model, method="attribution")
-    assert got.variants == ["plain", "blk4"] and got.default == "blk4"  # a scale has a path: outputs x factor
+    assert got.variants == ["plain", "blk8"] and got.default == "blk8"  # a scale has a path: outputs x factor
     grid = got.grid(variant="plain")
     path = got.grid()
     assert len(grid) == len(model.spec.linear_layers()) * 8
@@ -141,10 +141,10 @@ def test_plain_estimates_equal_small_exact_patches(model: deltalang.DeltaModel, 
 
 
 def test_the_default_points_follow_the_source(model: deltalang.DeltaModel) -> None:
-    """k = 2 for a donor's value, 4 for zeros (a longer path: the README's quality table)."""
+    """k = 2 for a donor's value, 8 for zeros (a longer path: the README's quality table)."""
     donor = deltalang.run_sweep(_program("write L.state_after(t) from other"), model, method="attribution")
     zeros = deltalang.run_sweep(_program("write L.state_after(t) = zeros"), model, method="attribution")
-    assert (donor.default, zeros.default) == ("blk2", "blk4")
+    assert (donor.default, zeros.default) == ("blk2", "blk8")
 
 
 def test_refined_cells_are_the_exact_patches(model: deltalang.DeltaModel, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ with W the clean value, W' the written one and g a gradient of M with respect to
 (`deltalang.gradients`: the change propagates through block L's clean transitions by the delta
 rule's adjoint scan, one block's per-token states at a time, two with the donor's). Variants:
 - `plain`: g at the clean run (first-order attribution patching);
-- `blk<k>` (path "blocks", the default; k = 2 for a donor, 4 for zeros or scale: `default_steps`): for
+- `blk<k>` (path "blocks", the default; k = 2 for a donor, 8 for zeros or scale: `default_steps`): for
   each block L, g averaged over k points a = (j + 1/2)/k
   of a path on which block L's kernel output moves from the clean run's to the donor's (all of
   block L's cells together, the rest of the model recomputed; one pass per block from block L on,
@@ -51,10 +51,11 @@ from .paths import PATHS, PathEnds, gradient_runs, ids_of, measure_of, record_fo
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
 # the default points of a path, from benchmarks/attribution.py's quality table (README): a donor's value is
-# a short path (k = 2 ranks the cells within 0.002 of k = 4, at half the passes); zeros and scale move each
-# block's output much further (zero-ablation: 0.67 at k = 2, 0.77 at k = 4)
+# a short path (k = 2 ranks the cells within 0.002 of k = 4 and 8, at half and a quarter of the passes);
+# zeros move each block's output all the way to zero, and the ranking keeps improving with k (state zeroed:
+# 0.668, 0.773, 0.869 at k = 2, 4, 8); a scale moves it along the same kind of path (not measured)
 DONOR_STEPS = 2
-FACTOR_STEPS = 4
+FACTOR_STEPS = 8
 DEFAULT_PATH = "blocks"
 
 

@@ -4,7 +4,8 @@ Contract: `run_job` runs the given cells of one sweep and hands each finished
 chunk's ResultRows and results to `Context.emit`. The fast path groups cells by
 start position, each group sorted by start block, so cells share a forward as
 rows: at block i only the rows that start at or before i are computed, and the
-work is the sum over cells of (blocks from L) x (positions from t). A sweep the
+work is the sum over cells of (blocks from L) x (positions from t); a few cells
+at nearby later starts join an earlier start's forward (`MERGE_WORK`). A sweep the
 engine cannot serve (`SweepJob.blocker`, or `Unsupported` found once the model
 ran) runs through the naive path: cells batched as invokes of full forwards of
 the compiled program. Both lay their forwards out from all the sweep's cells,
