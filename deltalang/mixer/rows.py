@@ -40,7 +40,7 @@ over `parts` (rows, start, end), each right-aligned to the longest, from `states
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import attrs
 import torch
@@ -75,28 +75,24 @@ class Group:
 
     rows: list[int]
     starts: frozenset[str] | None  # the invokes' first rows (as in request names); None: direct writes
+    written: frozenset[int] = frozenset()  # direct writes: the positions these rows write the state at
     pos: int = 0
     state: torch.Tensor | None = None
     served: int = 0  # states served so far (the k of the shared buffers)
     pieces: list[torch.Tensor] = attrs.Factory(list)
     segments: Segments = attrs.Factory(list)
 
-    def owns(self, name: str) -> bool:
+    def asks(self, p: int, name: str) -> bool:
+        """Whether the request `name` at position p is one of this group's."""
         if self.starts is None:
-            return name.endswith(DIRECT)  # a direct write at a position of this group writes its rows
+            return name.endswith(DIRECT) and p in self.written
         return "@" in name and not name.endswith(DIRECT) and name.rsplit("@", 1)[1] in self.starts
 
-    def next_position(self, call: DeltaRuleCall, step: int) -> int | None:
-        """The first position at or after `pos` this group asks for (None: none left)."""
-        later = [p for p, names in call.positions("state_after", step).items()
-                 if p >= self.pos and any(self.owns(n) for n in names) and self._mine(call, p)]
+    def next_position(self, asked: Mapping[int, list[str]]) -> int | None:
+        """The first position at or after `pos` this group asks for (None: none left); `asked`: the call's
+        requests by position."""
+        later = [p for p, names in asked.items() if p >= self.pos and any(self.asks(p, n) for n in names)]
         return min(later) if later else None
-
-    def _mine(self, call: DeltaRuleCall, p: int) -> bool:
-        if self.starts is not None:
-            return True
-        rows, _ = call.direct[("state_after", p)]
-        return self.rows[0] in set(rows.tolist())
 
 
 def row_groups(call: DeltaRuleCall, step: int, b: int) -> list[Group] | None:
@@ -140,7 +136,7 @@ def _direct_groups(call: DeltaRuleCall, b: int) -> list[Group] | None:
         by_key.setdefault(frozenset(positions), []).append(r)
     if len(by_key) < 2:
         return None
-    return [Group(rows, None) for rows in by_key.values()]
+    return [Group(rows, None, positions) for positions, rows in by_key.items()]
 
 
 def split_by_rows(call: DeltaRuleCall, run_aligned: RunAligned, s: int, initial: torch.Tensor | None, step: int,
@@ -155,14 +151,15 @@ def split_by_rows(call: DeltaRuleCall, run_aligned: RunAligned, s: int, initial:
         g.state = None if initial is None else initial[g.rows]
     shared: dict[int, torch.Tensor] = {}  # k -> the full-batch buffer of every group's k-th served state
     while True:
-        ends = {id(g): g.next_position(call, step) for g in groups if g.pos < s}
+        asked = call.positions("state_after", step)  # once a round: serving a state may add requests
+        ends = {id(g): g.next_position(asked) for g in groups if g.pos < s}
         asking = [g for g in groups if ends.get(id(g)) is not None]
         last = not asking
         todo = [g for g in groups if g.pos < s] if last else asking
         if not todo:
             break
         stops = {id(g): s if last else int(ends[id(g)]) + 1 for g in todo}  # type: ignore[arg-type]
-        _round(call, run_aligned, todo, stops, step, query, l2, shared)
+        _round(call, run_aligned, todo, stops, step, query, l2, shared, serve=not last)
         if last:
             break
     like, final = groups[0].pieces[0], groups[0].state
@@ -176,9 +173,9 @@ def split_by_rows(call: DeltaRuleCall, run_aligned: RunAligned, s: int, initial:
 
 
 def _round(call: DeltaRuleCall, run_aligned: RunAligned, todo: list[Group], stops: dict[int, int], step: int,
-           query: torch.Tensor, l2: bool, shared: dict[int, torch.Tensor]) -> None:
+           query: torch.Tensor, l2: bool, shared: dict[int, torch.Tensor], serve: bool) -> None:
     """Each group in `todo` from its position to its stop, in as few kernel calls as cost no extra chunk;
-    states served where asked."""
+    with `serve`, states served at the stops (the last round runs to the end: nothing is asked there)."""
     parts = [(g.rows, g.pos, stops[id(g)]) for g in todo]
     results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for members in _calls(parts):
@@ -192,7 +189,7 @@ def _round(call: DeltaRuleCall, run_aligned: RunAligned, todo: list[Group], stop
         (rows, a, e), (piece, state) = parts[n], results[n]
         g.segments.append((a, e, g.state))
         p = e - 1
-        for name in _names(call, g, step, p):
+        for name in (_names(call, g, step, p) if serve else ()):
             full = _widen(state, g.rows, query.shape[0], shared, g.served)
             g.served += 1
             new = call.serve(name, full, step)
@@ -221,7 +218,7 @@ def _calls(parts: list[Part]) -> list[list[int]]:
 def _names(call: DeltaRuleCall, g: Group, step: int, p: int) -> Iterator[str]:
     """The requests of `g` at position p, including those its served workers make next."""
     for name in call._names_at("state_after", step, p):
-        if g.owns(name) and g._mine(call, p):
+        if g.asks(p, name):
             yield name
 
 
