@@ -429,6 +429,46 @@ def test_invokes_at_their_own_positions_share_each_kernel_call(loaded: tuple, mo
             torch.testing.assert_close(got[n, i], cache.get_recurrent_state(i), atol=1e-5, rtol=0)
 
 
+def test_an_invoke_is_served_its_own_rows(loaded: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invokes at their own positions: a worker is served its own rows' state, not the batch's, so nnsight
+    splices no whole batch of states back per write; and a write in one invoke changes its own run only:
+    every invoke's state and logits are those of its run alone."""
+    from nnsight.intervention.batching import Batcher
+
+    model, _ = loaded
+    real, spliced = Batcher._widen_tensor, []
+
+    def widen(self: Batcher, full: torch.Tensor, group: list, edited: torch.Tensor) -> torch.Tensor:
+        if full.shape[0] == self.total:  # a batch's tensor: spliced by a copy of the whole batch
+            spliced.append(tuple(full.shape))
+        return real(self, full, group, edited)
+
+    monkeypatch.setattr(Batcher, "_widen_tensor", widen)
+    texts, asked = (PROMPT, OTHER, "The Colosseum is in Rome"), (3, 9, 5)
+    layer = model.spec.linear_layers()[0]
+    saved: dict[int, torch.Tensor] = {}
+    logits: dict[int, torch.Tensor] = {}
+    with torch.no_grad(), model.trace() as tracer:
+        for n, (text, t) in enumerate(zip(texts, asked)):
+            with tracer.invoke(text):
+                mixer = model.layers[layer].linear_attn
+                saved[n] = mixer.state_after(t).save()
+                if n == 1:
+                    mixer.set_state_after(t, torch.zeros_like(saved[n]))
+                logits[n] = model.logits.save()
+    assert not [shape for shape in spliced if len(shape) == 4], spliced  # no [batch, heads, key, value] state
+    for n, (text, t) in enumerate(zip(texts, asked)):
+        one = saved[n]
+        with torch.no_grad(), model.trace(text):
+            mixer = model.layers[layer].linear_attn
+            alone = mixer.state_after(t).save()
+            if n == 1:
+                mixer.set_state_after(t, torch.zeros_like(alone))
+            want = model.logits.save()
+        torch.testing.assert_close(one, alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits[n][:, -len(want[0]):], want, atol=1e-4, rtol=0)
+
+
 def test_a_compiled_kernel_is_reported_with_its_fix() -> None:
     """With flash-linear-attention installed the kernel name holds compiled code without source."""
     fam = deltalang.families.qwen3_5

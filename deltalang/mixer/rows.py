@@ -20,14 +20,15 @@ Groups: the invokes of a trace (rows of one nnsight invoke ask together; their
 requests are named `...@FIRST_ROW`), or, without a trace, the rows of the
 engine's direct writes (`MixerSite.direct`), grouped by the positions they write.
 
-The workers of an invoke see full-batch tensors, as always: a state served at a
-group's position is the full batch's shape with the group's rows filled in (the
-other rows' workers wait on other positions and never read it), and what a
-worker writes back is taken from the group's rows. The groups of one call share
-that full-batch buffer (one per k-th state a group is served), each filling its
-own rows: a saved state is a view of it, so a buffer per group would keep
-groups x batch states alive per block (at 32 records of a 0.8B-shaped model,
-18 GiB) where one keeps the batch's.
+An invoke's worker is served its own rows' state, not a full-batch tensor:
+nnsight narrows only tensors whose first dimension is the batch's, so this one
+passes to the worker as it is, and the worker's write comes back as it is (a
+full-batch tensor would cost nnsight a copy of the whole batch's states per
+write: at 32 records of a 0.8B-shaped model, 32 MiB per record and block). A
+saved state is then the invoke's own rows. The engine's direct writes index the
+batch's rows, so their groups get a full-batch buffer instead, shared by the
+groups of a call (one per k-th state a group is served), each filling its own
+rows: a buffer per group would keep groups x batch states alive per block.
 
 Contract: `split_by_rows(call, run_aligned, s, initial, step, query, l2)` returns the
 head outputs and final states of the whole batch and each group's rows with its
@@ -76,11 +77,16 @@ class Group:
     rows: list[int]
     starts: frozenset[str] | None  # the invokes' first rows (as in request names); None: direct writes
     written: frozenset[int] = frozenset()  # direct writes: the positions these rows write the state at
+    members: dict[str, list[int]] = attrs.Factory(dict)  # an invoke's first row -> its rows' indices in `rows`
     pos: int = 0
     state: torch.Tensor | None = None
     served: int = 0  # states served so far (the k of the shared buffers)
-    pieces: list[torch.Tensor] = attrs.Factory(list)
     segments: Segments = attrs.Factory(list)
+
+    def index(self) -> list[int] | slice:
+        """The rows as an index: a slice when they are consecutive (a view, no gather)."""
+        r = self.rows
+        return slice(r[0], r[-1] + 1) if r == list(range(r[0], r[-1] + 1)) else r
 
     def asks(self, p: int, name: str) -> bool:
         """Whether the request `name` at position p is one of this group's."""
@@ -120,8 +126,13 @@ def row_groups(call: DeltaRuleCall, step: int, b: int) -> list[Group] | None:
     covered = sorted(r for starts in by_key.values() for s in starts for r in invokes[s])
     if len(by_key) < 2 or covered != list(range(b)):
         return None
-    return [Group(sorted(r for s in starts for r in invokes[s]), frozenset(str(s) for s in starts))
-            for starts in by_key.values()]
+    groups = []
+    for starts in by_key.values():
+        rows = sorted(r for s in starts for r in invokes[s])
+        at = {r: i for i, r in enumerate(rows)}
+        groups.append(Group(rows, frozenset(str(s) for s in starts),
+                            members={str(s): [at[r] for r in invokes[s]] for s in starts}))
+    return groups
 
 
 def _direct_groups(call: DeltaRuleCall, b: int) -> list[Group] | None:
@@ -150,6 +161,7 @@ def split_by_rows(call: DeltaRuleCall, run_aligned: RunAligned, s: int, initial:
     for g in groups:
         g.state = None if initial is None else initial[g.rows]
     shared: dict[int, torch.Tensor] = {}  # k -> the full-batch buffer of every group's k-th served state
+    outs: list[torch.Tensor] = []  # the whole batch's head outputs, each round's pieces written in place
     while True:
         asked = call.positions("state_after", step)  # once a round: serving a state may add requests
         ends = {id(g): g.next_position(asked) for g in groups if g.pos < s}
@@ -159,23 +171,23 @@ def split_by_rows(call: DeltaRuleCall, run_aligned: RunAligned, s: int, initial:
         if not todo:
             break
         stops = {id(g): s if last else int(ends[id(g)]) + 1 for g in todo}  # type: ignore[arg-type]
-        _round(call, run_aligned, todo, stops, step, query, l2, shared, serve=not last)
+        _round(call, run_aligned, todo, stops, step, query, l2, shared, outs, serve=not last)
         if last:
             break
-    like, final = groups[0].pieces[0], groups[0].state
+    final = groups[0].state
     assert final is not None
-    out_all = like.new_empty((b, s, *like.shape[2:]))
     final_all = final.new_empty((b, *final.shape[1:]))
     for g in groups:
-        out_all[g.rows] = torch.cat(g.pieces, dim=1) if len(g.pieces) > 1 else g.pieces[0]
-        final_all[g.rows] = g.state  # type: ignore[assignment]
-    return out_all, final_all, [(g.rows, g.segments) for g in groups]
+        final_all[g.index()] = g.state  # type: ignore[assignment]
+    return outs[0], final_all, [(g.rows, g.segments) for g in groups]
 
 
 def _round(call: DeltaRuleCall, run_aligned: RunAligned, todo: list[Group], stops: dict[int, int], step: int,
-           query: torch.Tensor, l2: bool, shared: dict[int, torch.Tensor], serve: bool) -> None:
-    """Each group in `todo` from its position to its stop, in as few kernel calls as cost no extra chunk;
-    with `serve`, states served at the stops (the last round runs to the end: nothing is asked there)."""
+           query: torch.Tensor, l2: bool, shared: dict[int, torch.Tensor], outs: list[torch.Tensor],
+           serve: bool) -> None:
+    """Each group in `todo` from its position to its stop, in as few kernel calls as cost no extra chunk,
+    its head outputs written into the batch's (`outs[0]`, made on first use); with `serve`, states served
+    at the stops (the last round runs to the end: nothing is asked there)."""
     parts = [(g.rows, g.pos, stops[id(g)]) for g in todo]
     results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for members in _calls(parts):
@@ -189,15 +201,16 @@ def _round(call: DeltaRuleCall, run_aligned: RunAligned, todo: list[Group], stop
         (rows, a, e), (piece, state) = parts[n], results[n]
         g.segments.append((a, e, g.state))
         p = e - 1
+        changed: list[int] = []  # indices into g.rows whose state a worker replaced at p
         for name in (_names(call, g, step, p) if serve else ()):
-            full = _widen(state, g.rows, query.shape[0], shared, g.served)
-            g.served += 1
-            new = call.serve(name, full, step)
-            if new is not full:
-                state = call._checked_state(new, query, "state_after")[g.rows]
-                piece = piece.clone()  # token p reads the state it has just written
-                piece[:, -1] = kernels.read_state(call.family, query[g.rows, p], state, piece.shape[2], l2)
-        g.pieces.append(piece)
+            state = _serve(call, g, name, state, query, shared, changed, step)
+        if changed:
+            piece = piece.clone()  # token p reads the state it has just written
+            mine = [g.rows[i] for i in changed]
+            piece[changed, -1] = kernels.read_state(call.family, query[mine, p], state[changed], piece.shape[2], l2)
+        if not outs:
+            outs.append(piece.new_empty((query.shape[0], query.shape[1], *piece.shape[2:])))
+        outs[0][g.index(), a:e] = piece
         g.state, g.pos = state, e
 
 
@@ -213,6 +226,38 @@ def _calls(parts: list[Part]) -> list[list[int]]:
         else:
             calls.append([n])
     return calls
+
+
+def _serve(call: DeltaRuleCall, g: Group, name: str, state: torch.Tensor, query: torch.Tensor,
+           shared: dict[int, torch.Tensor], changed: list[int], step: int) -> torch.Tensor:
+    """Serve the request `name` of `g` its state; the group's state after the worker's write (a new tensor:
+    one the worker may keep is never changed in place), the rows it replaced added to `changed`.
+
+    An invoke's worker gets its own rows, not the batch's: a tensor whose first dimension is not the
+    batch's passes through nnsight's batching as it is, so a write costs no copy of the whole batch.
+    The engine's direct writes index the batch's rows: they get the full-batch buffer (`_widen`)."""
+    b = query.shape[0]
+    if g.starts is None:
+        full = _widen(state, g.rows, b, shared, g.served)
+        g.served += 1
+        new = call.serve(name, full, step)
+        if new is full:
+            return state
+        changed[:] = range(len(g.rows))
+        return call._checked_state(new, query, "state_after")[g.rows]
+    idx = g.members[name.rsplit("@", 1)[1]]
+    whole = len(idx) == len(g.rows)
+    served = state if whole else state[idx]
+    new = call.serve(name, served, step)
+    if new is served:
+        return state
+    new = call._checked_state(new, query[[g.rows[i] for i in idx]], "state_after")
+    changed.extend(i for i in idx if i not in changed)
+    if whole:
+        return new
+    state = state.clone()
+    state[idx] = new
+    return state
 
 
 def _names(call: DeltaRuleCall, g: Group, step: int, p: int) -> Iterator[str]:
