@@ -128,7 +128,7 @@ def _exact(model: deltalang.DeltaModel, writes: list[Write]) -> float:
 def test_plain_estimates_equal_small_exact_patches(model: deltalang.DeltaModel, value: str) -> None:
     factor = 1.02  # a small write: first order is exact to O(0.02^2)
     got = deltalang.run_sweep(_program(f"write L.{value}(t) *= {factor}"), model, method="attribution")
-    assert got.variants == ["plain", "blk8"] and got.default == "blk8"  # a scale has a path: outputs x factor
+    assert got.variants == ["plain", "blk4"] and got.default == "blk4"  # a scale has a path: outputs x factor
     grid = got.grid(variant="plain")
     path = got.grid()
     assert len(grid) == len(model.spec.linear_layers()) * 8
@@ -140,11 +140,27 @@ def test_plain_estimates_equal_small_exact_patches(model: deltalang.DeltaModel, 
         assert abs(exact) > 1e-4
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_the_path_rule_integrates_polynomials_of_degree_2k(k: int) -> None:
+    """The clean end and k points integrate a^d over [0, 1] exactly up to d = 2k, and not d = 2k + 1; k
+    midpoints (no clean end) up to d = 1."""
+    mid, even, none = paths.path_rule(k, clean_end=False)
+    assert none == 0 and sum(even) == pytest.approx(1) and sum(w * a for a, w in zip(mid, even)) == pytest.approx(0.5)
+    points, weights, clean = paths.path_rule(k, clean_end=True)
+    assert len(points) == len(weights) == k and all(0 < a < 1 for a in points)
+
+    def integral(d: int) -> float:
+        return clean * (1.0 if d == 0 else 0.0) + sum(w * a**d for a, w in zip(points, weights))
+    for d in range(2 * k + 1):
+        assert integral(d) == pytest.approx(1 / (d + 1), abs=1e-13), d
+    assert abs(integral(2 * k + 1) - 1 / (2 * k + 2)) > 1e-11
+
+
 def test_the_default_points_follow_the_source(model: deltalang.DeltaModel) -> None:
-    """k = 2 for a donor's value, 8 for zeros (a longer path: the README's quality table)."""
+    """k = 2 for a donor's value, 4 for zeros (a longer path: the README's quality table)."""
     donor = deltalang.run_sweep(_program("write L.state_after(t) from other"), model, method="attribution")
     zeros = deltalang.run_sweep(_program("write L.state_after(t) = zeros"), model, method="attribution")
-    assert (donor.default, zeros.default) == ("blk2", "blk8")
+    assert (donor.default, zeros.default) == ("blk2", "blk4")
 
 
 def test_refined_cells_are_the_exact_patches(model: deltalang.DeltaModel, tmp_path: Path) -> None:
@@ -204,7 +220,7 @@ def test_block_paths_from_their_block_equal_whole_model_passes(family: str, shar
     with paths.frozen_weights(model):
         got = paths.block_paths(model, cap, blocks, m, steps, ends)
         x0 = model._module.get_input_embeddings()(paths.ids_of(model, CLEAN)).detach()
-        a = (torch.arange(steps, dtype=torch.float32) + 0.5) / steps
+        a = torch.tensor(paths.path_rule(steps, ends.clean_end)[0], dtype=torch.float32)
         for b in blocks:
             whole = paths.record_forward(model, [b], embeds=x0.expand(steps, -1, -1).clone().requires_grad_(True),
                                          measure=m, shifts={b: a[:, None, None, None] * ends.shift(b)})

@@ -2,8 +2,10 @@
 
 Contract. `record_forward` runs one plain transformers forward recording DeltaNet blocks
 (`gradients.record`); given a measure it also takes that measure's gradients at their kernel and
-convolution outputs. `gradient_runs` gives, per measure, the recordings each variant averages:
-`plain` (the clean run), and the `k` points a = (j + 1/2)/k of one integrated path:
+convolution outputs. `gradient_runs` gives, per measure, the recordings each variant integrates:
+`plain` (the clean run), and the `k` points of one integrated path (`path_rule`: equal midpoints
+towards a donor; towards zeros or a scale, the Gauss-Radau rule whose fixed node is the clean end, so
+the `plain` gradient is its a = 0 point):
 - "blocks": for each block L, its kernel output shifted by a * (goal - clean), nothing else. The
   blocks before L are the clean run's, so the pass starts at block L: the clean residual stream
   entering L (`recompute.capture_clean`, one capture for every block) is fed to blocks L.. only
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from .. import gradients
@@ -34,6 +38,27 @@ from .memory import memory_budget, row_bytes
 from .recompute import Capture, Row, capture_clean, device_of, run_rows
 
 PATHS = {"outputs": "out", "embeddings": "emb", "blocks": "blk"}  # path -> the prefix of its variant's name
+
+
+@lru_cache(maxsize=None)
+def path_rule(k: int, clean_end: bool) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """How k gradient passes integrate a path, int_0^1 g(a) da: the k points a in (0, 1), their weights, and
+    the weight of the clean end a = 0, whose gradient (`plain`) is computed anyway.
+
+    Without `clean_end`: k equal midpoints a = (j + 1/2)/k (exact for g linear in a). With it: the
+    (k + 1)-point Gauss-Radau rule whose fixed node is the clean end, exact for g a polynomial of degree
+    <= 2k (k = 1: a = 2/3, weight 3/4, clean end 1/4). On [-1, 1] with the node -1, its free nodes are
+    the roots of (P_k + P_{k+1}) / (1 + x), with weights (1 - x) / ((k + 1)^2 P_k(x)^2), and -1 weighs
+    2 / (k + 1)^2 (Legendre polynomials P). `PathEnds.clean_end` says which a path takes."""
+    if k < 1:
+        raise ValueError(f"a path takes at least one point, got {k}")
+    if not clean_end:
+        return tuple((j + 0.5) / k for j in range(k)), (1.0 / k,) * k, 0.0
+    n = k + 1
+    leg = np.polynomial.legendre
+    roots = np.sort(leg.legroots(np.eye(n + 1)[n] + np.eye(n + 1)[n - 1]).real)[1:]  # less the node -1
+    weights = (1 - roots) / (n**2 * leg.legval(roots, np.eye(n)[n - 1]) ** 2)
+    return tuple(float(x) for x in (roots + 1) / 2), tuple(float(w) / 2 for w in weights), 1.0 / n**2
 
 
 def ids_of(model: DeltaModel, text: str) -> torch.Tensor:
@@ -101,6 +126,14 @@ class PathEnds:
     donor_text: str | None
     factor: float | None
 
+    @property
+    def clean_end(self) -> bool:
+        """Whether the path's rule takes the clean run as a point (`path_rule`): for zeros and scales, whose
+        path runs to zero or factor x the clean output (on the bundled model, state zeroed: Spearman 0.892
+        with k = 4, against 0.773 for 4 and 0.869 for 8 equal midpoints); not for a donor, whose midpoints
+        rank as well (0.939 against 0.943 with k = 2) and better on recall (0.966 against 0.959)."""
+        return self.donor is None
+
     def shift(self, block: int) -> torch.Tensor:
         """goal - clean of block's kernel output, `[1, s, h, dv]`."""
         here = output_of(self.clean, block)
@@ -110,7 +143,7 @@ class PathEnds:
 
 def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[ResolvedMeasure], steps: int,
                   path: str, ends: PathEnds) -> dict[str, dict[str, Any]]:
-    """{measure label: {variant: recordings that variant averages}} ("blocks": {block: recordings})."""
+    """{measure label: {variant: recordings that variant integrates}} ("blocks": {block: recordings})."""
     ids = ids_of(model, ends.text)
     embed = model._module.get_input_embeddings()
     out: dict[str, dict[str, Any]] = {}
@@ -131,8 +164,7 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
                 variants[name] = block_paths(model, capture, blocks, m, steps, ends)
                 continue
             recs = []
-            for j in range(steps):
-                a = (j + 0.5) / steps
+            for a in path_rule(steps, ends.clean_end)[0]:
                 if path == "embeddings":
                     assert ends.donor_text is not None
                     x1 = embed(ids_of(model, ends.donor_text)).detach()
@@ -171,9 +203,9 @@ def path_groups(model: DeltaModel, blocks: Sequence[int], steps: int, positions:
 
 def block_paths(model: DeltaModel, capture: Capture, blocks: Sequence[int], m: ResolvedMeasure, steps: int,
                 ends: PathEnds) -> dict[int, list[gradients.Recording]]:
-    """Each block's own path, its k points as rows, from that block on: {block: [its recording]}."""
+    """Each block's own path, its k points (`path_rule`) as rows, from that block on: {block: [its recording]}."""
     dev = device_of(model)
-    a = (torch.arange(steps, dtype=torch.float32, device=dev) + 0.5) / steps
+    a = torch.tensor(path_rule(steps, ends.clean_end)[0], dtype=torch.float32, device=dev)
     out: dict[int, list[gradients.Recording]] = {}
     for group in path_groups(model, blocks, steps, capture.seq_len):
         rows = [Row(None, b, 0, ()) for b in group for _ in range(steps)]  # type: ignore[arg-type]
