@@ -199,6 +199,14 @@ def test_the_paths_integrate_towards_the_donor(model: deltalang.DeltaModel) -> N
         assert got.grid() != pytest.approx(plain.grid(), rel=1e-3)
 
 
+def test_on_a_cpu_blocks_share_a_pass_up_to_four_rows(model: deltalang.DeltaModel) -> None:
+    """k points a block: four blocks a pass at k = 1, two at k = 2, one from k = 4 (memory grows with rows)."""
+    blocks = [0, 1, 2, 4, 5, 6]
+    assert paths.path_groups(model, blocks, 1, 8) == [[0, 1, 2, 4], [5, 6]]
+    assert paths.path_groups(model, blocks, 2, 8) == [[0, 1], [2, 4], [5, 6]]
+    assert paths.path_groups(model, blocks, 4, 8) == paths.path_groups(model, blocks, 8, 8) == [[b] for b in blocks]
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("shared", [False, True])
 def test_block_paths_from_their_block_equal_whole_model_passes(family: str, shared: bool,

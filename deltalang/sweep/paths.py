@@ -9,9 +9,10 @@ the `plain` gradient is its a = 0 point):
 - "blocks": for each block L, its kernel output shifted by a * (goal - clean), nothing else. The
   blocks before L are the clean run's, so the pass starts at block L: the clean residual stream
   entering L (`recompute.capture_clean`, one capture for every block) is fed to blocks L.. only
-  (`recompute.run_rows`, positions 0..), and the backward stops at block L's input. On a GPU several
+  (`recompute.run_rows`, positions 0..), and the backward stops at block L's input. Several
   blocks' paths share one pass as rows (rows starting at a later block hold the clean stream until
-  there), as many as the sweep's memory budget allows; each block's rows are then its own recording.
+  there): on a GPU as many as the sweep's memory budget allows, on a CPU up to `CPU_PATH_ROWS` rows;
+  each block's rows are then its own recording.
   The same gradients as a whole-model forward with that one shift, to float noise.
 - "outputs": every swept block's output shifted together, one whole-model pass per point;
 - "embeddings": the input embeddings moved from the clean prompt's to the donor's.
@@ -38,6 +39,7 @@ from .memory import memory_budget, row_bytes
 from .recompute import Capture, Row, capture_clean, device_of, run_rows
 
 PATHS = {"outputs": "out", "embeddings": "emb", "blocks": "blk"}  # path -> the prefix of its variant's name
+CPU_PATH_ROWS = 4  # rows of one block-path pass on a CPU at most (`path_groups`)
 
 
 @lru_cache(maxsize=None)
@@ -181,10 +183,15 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
 def path_groups(model: DeltaModel, blocks: Sequence[int], steps: int, positions: int) -> list[list[int]]:
     """Blocks whose paths share one pass: their rows x blocks run, with gradients, fit the memory budget.
 
-    On a CPU each block has its own pass: wider passes measured no faster there (2 cores), and cost memory."""
+    On a CPU consecutive blocks share a pass up to `CPU_PATH_ROWS` rows (k points a block): a pass of a
+    row or two uses the cores' matrix products less well (measured on 2 cores, the 0.8B-shaped benchmark,
+    fresh processes: k = 1, one block a pass 22.9 s, two 20.0 s; k = 2, 34.7 s and 32.5 s; k = 4, two
+    blocks a pass, 8 rows, 54.0 s against 60.8 s but 3.5 GiB against 1.6, not taken)."""
     device = device_of(model)
     if device.type == "cpu":
-        return [[b] for b in sorted(blocks)]
+        per = max(1, CPU_PATH_ROWS // max(steps, 1))
+        ordered = sorted(blocks)
+        return [ordered[i:i + per] for i in range(0, len(ordered), per)]
     per_block = row_bytes(model, positions)  # one row through one block, kept for the backward
     budget = memory_budget(device)
     n = model.spec.num_layers
