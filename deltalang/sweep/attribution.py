@@ -12,9 +12,9 @@ rule's adjoint scan, one block's per-token states at a time, two with the donor'
 - `blk<k>` (path "blocks", the default; k = 2 for a donor, 4 for zeros or scale: `default_steps`): for
   each block L, g integrated along a path by k points of it (`paths.path_rule`: equal midpoints towards
   a donor; towards zeros or a scale the Gauss-Radau rule, which also takes the clean run's gradient,
-  exact for a gradient polynomial of degree 2k in a), a path on which block L's kernel output moves from the clean run's to the donor's (all of
-  block L's cells together, the rest of the model recomputed; one pass per block from block L on,
-  the k points as rows: `paths.block_paths`). The patch of one cell changes block L's outputs
+  exact for a gradient polynomial of degree 2k in a), a path on which block L's kernel output moves from
+  the clean run's to the donor's (all of block L's cells together, the rest of the model recomputed;
+  passes from block L on, the k points as rows: `paths.block_paths`). The patch of one cell changes block L's outputs
   linearly (its inputs do not depend on its state), so the path follows what the patch does
   downstream, where the response is switch-like; k rows through blocks L.. per block;
 - `out<k>` (path "outputs"): every swept block's output moved together, k passes in all (EAP-IG);
@@ -138,7 +138,8 @@ def describe(variant: str) -> str:
     k = variant.lstrip("abcdefghijklmnopqrstuvwxyz")
     moved = {"blk": "each block's own output", "out": "every block's output together",
              "emb": "the input embeddings"}[variant[: len(variant) - len(k)]]
-    return f"{variant} (gradient integrated over {k} points of a path taking {moved} from the clean run's to the source's)"
+    return (f"{variant} (gradient integrated over {k} points of a path taking {moved} from the clean run's to "
+            f"the source's)")
 
 
 # -- reading the sweep -------------------------------------------------------------------------
@@ -339,8 +340,10 @@ def _integrated(recs: Sequence[gradients.Recording], block: int, clean: gradient
     out = w0 * clean.grad_out + torch.tensordot(w, outs, dims=1)[None]
     convs = [b.grad_conv for b in blks]
     conv = None
-    if not _absent([*convs, clean.grad_conv]):
-        conv = w0 * clean.grad_conv + torch.tensordot(w, torch.cat(convs), dims=1)[None]  # type: ignore[operator]
+    if not _absent(convs):
+        conv = torch.tensordot(w, torch.cat(convs), dims=1)[None]  # type: ignore[arg-type]
+        if w0:
+            conv = None if clean.grad_conv is None else conv + w0 * clean.grad_conv
     return attrs.evolve(blks[0], grad_out=out, grad_conv=conv)
 
 
