@@ -5,8 +5,9 @@ corrupt prompt of another landmark, same length) and for key-value recall pairs 
 value changed), M = logit(clean answer) - logit(corrupt answer), every DeltaNet block x every position
 from the first token where the prompts differ. Exact effects: the sweep engine's full grid
 (`deltalang.run_sweep`, method exact) minus M(clean). Estimates: `method="attribution"` with
-steps 0 (plain) and k points of each integrated path (`PATHS_OF`: blocks, outputs, embeddings), combined with
-the clean run's gradient by the Gauss-Radau rule (`deltalang.sweep.paths.path_rule`).
+steps 0 (plain) and k points of each integrated path (`PATHS_OF`: blocks, outputs, embeddings): equal
+midpoints towards a donor, the Gauss-Radau rule with the clean run's gradient towards zeros
+(`deltalang.sweep.paths.path_rule`).
 Printed per write (state from the donor, whole memory from the donor, state zeroed, whole memory
 zeroed): pooled Spearman, the mean number of each prompt's exact top-10 cells among its 20 largest
 estimates (what `refine top 20` runs exactly), and the share of cells with |exact| > 1 whose sign is right.

@@ -281,12 +281,13 @@ def _source_runs(model: DeltaModel, exp: Experiment, target: Target) -> dict[str
 
 
 def estimates(model: DeltaModel, target: Target, clean: gradients.Recording,
-              donors: Mapping[str, gradients.Recording],
-              runs: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, str], dict[tuple[int, int], float]]:
+              donors: Mapping[str, gradients.Recording], runs: Mapping[str, Mapping[str, Any]],
+              clean_end: bool) -> dict[tuple[str, str], dict[tuple[int, int], float]]:
     """{(measure label, variant): {(block, position): estimate}}, one block at a time.
 
     Each cell's change propagates through its block's clean transitions (the patch's meaning); the
-    gradient at the block's output is the variant's recording's."""
+    gradient at the block's output is the variant's recording's, integrated by `path_rule` (`clean_end`:
+    the rule the paths were run with, `PathEnds.clean_end`)."""
     fam = model.family
     blocks = sorted({b for b, _ in target.cells})
     out: dict[tuple[str, str], dict[tuple[int, int], float]] = {}
@@ -302,7 +303,7 @@ def estimates(model: DeltaModel, target: Target, clean: gradients.Recording,
             plain = variants["plain"][0].blocks[block]
             grads = [plain if v == "plain" else
                      _integrated(variants[v][block] if isinstance(variants[v], dict) else variants[v], block, plain,
-                                 target.donor is None)
+                                 clean_end)
                      for v in names]
             convs = [g.grad_conv for g in grads]
             blk = attrs.evolve(grads[0], grad_out=torch.cat([g.grad_out for g in grads]),  # type: ignore[misc]
@@ -431,7 +432,7 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
     donor = next(iter(donors.values())) if target.donor is not None else None
     ends = PathEnds(target.sweep.prompt_text, clean, donor, target.donor, target.factor)
     runs = gradient_runs(model, blocks, target.measures, steps, path, ends)
-    est = estimates(model, target, clean, donors, runs)
+    est = estimates(model, target, clean, donors, runs, ends.clean_end)
     variants = list(next(iter(runs.values())).keys())
     default = variants[-1]
     tokens = target.sweep.tokens
