@@ -53,10 +53,10 @@ class BlockRecord:
     beta: torch.Tensor | None = None
     initial: torch.Tensor | None = None
     l2: bool = False
-    out: torch.Tensor | None = None  # the kernel's output, in the graph
+    out: torch.Tensor | None = None  # the kernel's output, in the graph (detached after `Recording.backward`)
     conv_x: torch.Tensor | None = None  # the convolution's input `[b, conv_dim, s]` (detached)
     conv_weight: torch.Tensor | None = None  # `[conv_dim, width]`
-    conv_pre: torch.Tensor | None = None  # the convolution's output before its activation, in the graph
+    conv_pre: torch.Tensor | None = None  # the convolution's output before its activation (as `out`)
     grad_out: torch.Tensor | None = None  # dM/d out, float32 `[b, s, h, dv]`
     grad_conv: torch.Tensor | None = None  # dM/d conv_pre, float32 `[b, conv_dim, s]`
 
@@ -116,7 +116,8 @@ class Recording:
     result: Any = None
 
     def backward(self, measure: torch.Tensor) -> None:
-        """Gradients of `measure` (a scalar) at every block's kernel and convolution outputs."""
+        """Gradients of `measure` (a scalar) at every block's kernel and convolution outputs; the outputs
+        themselves are kept, detached (the recording then also serves as a plain one of the forward)."""
         outs: list[torch.Tensor] = []
         where: list[tuple[BlockRecord, str]] = []
         for blk in self.blocks.values():
@@ -134,7 +135,7 @@ class Recording:
                 blk.grad_out = gr.detach().float()
             else:
                 blk.grad_conv = gr.detach().float()
-            setattr(blk, name, None)  # the graph is no longer needed
+            setattr(blk, name, t.detach())  # the value stays, the graph goes
 
 
 def record(hf: torch.nn.Module, family: Any, layers: Iterable[int], mixers: Callable[[int], torch.nn.Module],

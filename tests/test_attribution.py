@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM
 import deltalang
 from deltalang import families, gradients
 from deltalang.ast import format_program
-from deltalang.sweep import DeltaSweepError, paths
-from deltalang.sweep.attribution import target_of
-from deltalang.sweep.recompute import capture_clean
+from deltalang.sweep import DeltaSweepError, attribution, paths
+from deltalang.sweep.attribution import path_start, target_of
+from deltalang.sweep.recompute import capture_clean, prefix_reads
 from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -100,10 +100,12 @@ def test_state_gradients_are_the_scan_state_dots_sums() -> None:
 
 CLEAN = "The Eiffel Tower is in"
 OTHER = "My favourite food is a"  # the same byte length
+PREFIXED = "The Eiffel Hotel is in"  # the same length, the clean prompt's first 11 tokens
 
 
-def _program(body: str, measure: str = 'logit_diff("P", "a")', axes: str = "L in L[linear], t in 14..22") -> str:
-    return (f'prompt clean = "{CLEAN}"\nprompt other = "{OTHER}"\n'
+def _program(body: str, measure: str = 'logit_diff("P", "a")', axes: str = "L in L[linear], t in 14..22",
+             other: str = OTHER) -> str:
+    return (f'prompt clean = "{CLEAN}"\nprompt other = "{other}"\n'
             f"sweep s on clean over {axes} {{\n    {body}\n    measure {measure}\n}}\n")
 
 
@@ -199,30 +201,34 @@ def test_the_paths_integrate_towards_the_donor(model: deltalang.DeltaModel) -> N
         assert got.grid() != pytest.approx(plain.grid(), rel=1e-3)
 
 
-def test_on_a_cpu_blocks_share_a_pass_up_to_four_rows(model: deltalang.DeltaModel) -> None:
-    """k points a block: four blocks a pass at k = 1, two at k = 2, one from k = 4 (memory grows with rows)."""
+def test_on_a_cpu_blocks_share_a_pass_up_to_512_tokens(model: deltalang.DeltaModel) -> None:
+    """k rows a block of `positions` tokens each: as many consecutive blocks a pass as 512 tokens hold."""
     blocks = [0, 1, 2, 4, 5, 6]
-    assert paths.path_groups(model, blocks, 1, 8) == [[0, 1, 2, 4], [5, 6]]
-    assert paths.path_groups(model, blocks, 2, 8) == [[0, 1], [2, 4], [5, 6]]
-    assert paths.path_groups(model, blocks, 4, 8) == paths.path_groups(model, blocks, 8, 8) == [[b] for b in blocks]
+    assert paths.path_groups(model, blocks, 1, 128) == [[0, 1, 2, 4], [5, 6]]
+    assert paths.path_groups(model, blocks, 2, 64) == [[0, 1, 2, 4], [5, 6]]
+    assert paths.path_groups(model, blocks, 4, 64) == [[0, 1], [2, 4], [5, 6]]
+    assert paths.path_groups(model, blocks, 2, 512) == paths.path_groups(model, blocks, 8, 100) == [[b] for b in blocks]
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-@pytest.mark.parametrize("shared", [False, True])
-def test_block_paths_from_their_block_equal_whole_model_passes(family: str, shared: bool,
+@pytest.mark.parametrize(("shared", "other"), [(False, OTHER), (True, OTHER), (False, PREFIXED), (True, PREFIXED)])
+def test_block_paths_from_their_block_equal_whole_model_passes(family: str, shared: bool, other: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Each block's path run from that block on (the clean stream below it, several blocks' rows in one pass)
-    gives the gradients of a whole-model forward with that block's output alone shifted."""
+    gives the gradients of a whole-model forward with that block's output alone shifted; with a donor that
+    begins as the clean prompt, from the first position they differ (zeros before it)."""
     model = deltalang.load_model(tiny_checkpoint(family))
     blocks = model.spec.linear_layers()
-    exp = deltalang.compile(_program("write L.state_after(t) from other", axes="L in L[linear], t in 0..4"), model)
-    target = target_of(exp)
+    src = _program("write L.state_after(t) from other", axes="L in L[linear], t in 0..4", other=other)
+    target = target_of(deltalang.compile(src, model))
+    start = path_start(model, target)
+    assert start == (0 if other == OTHER else 11)
     clean = paths.record_forward(model, blocks, ids=paths.ids_of(model, CLEAN))
-    donor = paths.record_forward(model, blocks, ids=paths.ids_of(model, OTHER))
-    ends = paths.PathEnds(CLEAN, clean, donor, OTHER, None)
+    donor = paths.record_forward(model, blocks, ids=paths.ids_of(model, other))
+    ends = paths.PathEnds(CLEAN, clean, donor, other, None, start)
     steps, m = 3, target.measures[0]
     with paths.frozen_weights(model), torch.no_grad():
-        cap = capture_clean(model, CLEAN, min(blocks), {})
+        cap = capture_clean(model, CLEAN, min(blocks), prefix_reads(model, min(blocks), start))
     if shared:  # every block's rows in one pass (what a GPU's memory budget allows)
         monkeypatch.setattr(paths, "path_groups", lambda model, blocks, steps, positions: [sorted(blocks)])
     with paths.frozen_weights(model):
@@ -234,10 +240,35 @@ def test_block_paths_from_their_block_equal_whole_model_passes(family: str, shar
                                          measure=m, shifts={b: a[:, None, None, None] * ends.shift(b)})
             mine, want = got[b][0].blocks[b], whole.blocks[b]
             assert want.grad_out.abs().max() > 1e-4  # the measure depends on the block
-            for x, y in ((mine.grad_out, want.grad_out), (mine.grad_conv, want.grad_conv),
+            assert mine.grad_out.shape == want.grad_out.shape and mine.grad_conv.shape == want.grad_conv.shape
+            assert not mine.grad_out[:, :start].any() and not mine.grad_conv[..., :start].any()
+            for x, y in ((mine.grad_out[:, start:], want.grad_out[:, start:]),
+                         (mine.grad_conv[..., start:], want.grad_conv[..., start:]),
                          (got[b][0].result[:, -1], whole.result[:, -1])):
                 assert x.shape == y.shape
                 assert float((x - y).abs().max()) <= 3e-4 * float(y.abs().max()), (b, float((x - y).abs().max()))
+
+
+def test_a_donor_that_begins_as_the_clean_prompt_moves_the_paths_from_where_they_differ(
+        model: deltalang.DeltaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paths' passes run from the first differing position: the gradients they leave zero before it
+    change no estimate (every cell before it writes the clean value back; the window's taps and the adjoint
+    scan read later outputs only)."""
+    src = _program("write L.state_after(t) from other; write L.conv_window_after(t) from other",
+                   axes="L in L[linear], t in 0..22", other=PREFIXED)
+    assert path_start(model, target_of(deltalang.compile(src, model))) == 11
+    got = deltalang.run_sweep(src, model, method="attribution", steps=2)
+    monkeypatch.setattr(attribution, "path_start", lambda model, target: 0)
+    whole = deltalang.run_sweep(src, model, method="attribution", steps=2)
+    late = {c: v for c, v in whole.grid().items() if c[1] >= 11}
+    assert all(v == 0 for c, v in got.grid().items() if c[1] < 11)
+    assert max(abs(v) for v in late.values()) > 1e-2
+    for c, v in late.items():
+        assert got.grid()[c] == pytest.approx(v, rel=1e-4, abs=1e-5 * max(abs(x) for x in late.values())), c
+    # a cell writing another position's value may differ from the clean one before the prompts do
+    moved = _program("write L.state_after(t) from other.state_after(2)", axes="L in L[linear], t in 4..22",
+                     other=PREFIXED)
+    assert path_start(model, target_of(deltalang.compile(moved, model))) == 4
 
 
 @pytest.mark.parametrize(("src", "kw", "message"), [

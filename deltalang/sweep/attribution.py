@@ -47,7 +47,7 @@ from ..ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale,
 from ..model import DeltaModel
 from .errors import DeltaSweepError
 from .job import measure_label
-from .paths import PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, record_forward
+from .paths import PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
@@ -217,6 +217,23 @@ def check_path(model: DeltaModel, target: Target, steps: int, path: str) -> None
         raise DeltaSweepError(f"sweep {target.sweep.name}: steps={steps} moves the clean run towards the donor's token "
                               f"by token, so the donor must have the clean prompt's length ({d} tokens, not {n}): "
                               f"use steps=0")
+
+
+def path_start(model: DeltaModel, target: Target) -> int:
+    """The first position a donor's path moves (`PathEnds.start`): where the donor's tokens first differ from
+    the clean prompt's, or earlier where a cell writes another value than the donor's own at its block and
+    position (its W' - W may be nonzero before the prompts differ). 0 for zeros and scales (no donor)."""
+    if target.donor is None:
+        return 0
+    ids, other = target.sweep.token_ids, model.spec.token_ids(target.donor)
+    start = next((t for t, (x, y) in enumerate(zip(ids, other)) if x != y), min(len(ids), len(other)))
+    for (block, pos), ops in target.writes.items():
+        for op in ops:
+            src = op.source
+            assert isinstance(src, FromRun)
+            if src.position != pos or src.layer not in (None, block) or src.value != op.value or src.step:
+                start = min(start, pos)
+    return min(start, len(ids) - 1)
 
 
 # -- the estimates ---------------------------------------------------------------------------------
@@ -427,11 +444,13 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
         raise DeltaSweepError(f"path is one of {', '.join(PATHS)}, got {path!r}")
     check_path(model, target, steps, path)
     blocks = sorted({b for b, _ in target.cells})
-    clean = record_forward(model, blocks, ids=ids_of(model, target.sweep.prompt_text))
+    plain = plain_runs(model, blocks, target.sweep.prompt_text, target.measures)
+    clean = plain[measure_label(target.measures[0])]
     donors = _source_runs(model, exp, target)
     donor = next(iter(donors.values())) if target.donor is not None else None
-    ends = PathEnds(target.sweep.prompt_text, clean, donor, target.donor, target.factor)
-    runs = gradient_runs(model, blocks, target.measures, steps, path, ends)
+    ends = PathEnds(target.sweep.prompt_text, clean, donor, target.donor, target.factor,
+                    path_start(model, target))
+    runs = gradient_runs(model, blocks, target.measures, steps, path, ends, plain)
     est = estimates(model, target, clean, donors, runs, ends.clean_end)
     variants = list(next(iter(runs.values())).keys())
     default = variants[-1]

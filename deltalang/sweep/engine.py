@@ -30,7 +30,8 @@ from ..compiled import Experiment
 from .errors import Unsupported
 from .job import Cell, ResultRow, SweepJob, added_result_name, measure_label, start_of
 from .memory import chunks, waves
-from .recompute import Capture, Patch, Row, RowsOut, capture_clean, device_of, dtype_of, run_rows
+from .recompute import (Capture, Patch, Row, RowsOut, capture_clean, device_of, dtype_of, prefix_reads,
+                        run_rows)
 from .support import dependencies, referenced_runs, subprogram
 
 if TYPE_CHECKING:
@@ -81,16 +82,13 @@ def _fast_rows_plan(job: SweepJob, cells: Sequence[Cell]) -> dict[int, list[Cell
 def _capture_reads(model: DeltaModel, job: SweepJob, groups: Mapping[int, Sequence[Cell]]
                    ) -> tuple[int, dict[int, set[tuple[str, int | None]]]]:
     """The first block any cell recomputes, and the values the clean forward must keep per DeltaNet block."""
-    linear = model.spec.linear_layers()
     reads: dict[int, set[tuple[str, int | None]]] = {}
     first = model.spec.num_layers
     for start, group in groups.items():
         lowest = min(min(start_of(op)[0] for op in job.writes(c)) for c in group)
         first = min(first, lowest)
-        if start > 0:
-            for i in linear:
-                if i >= lowest:
-                    reads.setdefault(i, set()).update({("state_after", start - 1), ("conv_window_after", start - 1)})
+        for i, asked in prefix_reads(model, lowest, start).items():
+            reads.setdefault(i, set()).update(asked)
         for cell in group:
             for op in job.writes(cell):
                 if isinstance(op.source, Scale):

@@ -9,9 +9,10 @@ the `plain` gradient is its a = 0 point):
 - "blocks": for each block L, its kernel output shifted by a * (goal - clean), nothing else. The
   blocks before L are the clean run's, so the pass starts at block L: the clean residual stream
   entering L (`recompute.capture_clean`, one capture for every block) is fed to blocks L.. only
-  (`recompute.run_rows`, positions 0..), and the backward stops at block L's input. Several
+  (`recompute.run_rows`, from `PathEnds.start`, the first position a path moves), and the backward
+  stops at block L's input. Several
   blocks' paths share one pass as rows (rows starting at a later block hold the clean stream until
-  there): on a GPU as many as the sweep's memory budget allows, on a CPU up to `CPU_PATH_ROWS` rows;
+  there): on a GPU as many as the sweep's memory budget allows, on a CPU up to `CPU_PATH_TOKENS` rows x positions;
   each block's rows are then its own recording.
   The same gradients as a whole-model forward with that one shift, to float noise.
 - "outputs": every swept block's output shifted together, one whole-model pass per point;
@@ -30,16 +31,17 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .. import gradients
 from ..ir import ResolvedMeasure
 from ..model import DeltaModel, decoder_layers
 from .job import measure_label
 from .memory import memory_budget, row_bytes
-from .recompute import Capture, Row, capture_clean, device_of, run_rows
+from .recompute import Capture, Row, capture_clean, device_of, prefix_reads, run_rows
 
 PATHS = {"outputs": "out", "embeddings": "emb", "blocks": "blk"}  # path -> the prefix of its variant's name
-CPU_PATH_ROWS = 4  # rows of one block-path pass on a CPU at most (`path_groups`)
+CPU_PATH_TOKENS = 512  # rows x positions of one block-path pass on a CPU at most (`path_groups`)
 
 
 @lru_cache(maxsize=None)
@@ -120,13 +122,17 @@ def output_of(rec: gradients.Recording, block: int) -> torch.Tensor:
 
 @attrs.frozen
 class PathEnds:
-    """Where a path runs: the clean recording, and the donor's (or `factor` x the clean outputs)."""
+    """Where a path runs: the clean recording, and the donor's (or `factor` x the clean outputs).
+
+    `start`: the first position the path moves (the donor's prompt begins as the clean one up to there,
+    and no cell's write differs from the clean value before it): a block's path passes run from it."""
 
     text: str
     clean: gradients.Recording
     donor: gradients.Recording | None
     donor_text: str | None
     factor: float | None
+    start: int = 0
 
     @property
     def clean_end(self) -> bool:
@@ -143,9 +149,20 @@ class PathEnds:
         return goal - here
 
 
+def plain_runs(model: DeltaModel, blocks: Sequence[int], text: str, measures: Sequence[ResolvedMeasure]
+               ) -> dict[str, gradients.Recording]:
+    """{measure label: the clean forward of `text` recorded with that measure's gradients} (`plain`); any of
+    them is also the clean recording (its kernel inputs and outputs)."""
+    x0 = model._module.get_input_embeddings()(ids_of(model, text)).detach()
+    with frozen_weights(model):
+        return {measure_label(m): record_forward(model, blocks, embeds=x0.clone().requires_grad_(True), measure=m)
+                for m in measures}
+
+
 def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[ResolvedMeasure], steps: int,
-                  path: str, ends: PathEnds) -> dict[str, dict[str, Any]]:
-    """{measure label: {variant: recordings that variant integrates}} ("blocks": {block: recordings})."""
+                  path: str, ends: PathEnds, plain: dict[str, gradients.Recording]) -> dict[str, dict[str, Any]]:
+    """{measure label: {variant: recordings that variant integrates}} ("blocks": {block: recordings});
+    `plain`: `plain_runs`'s recordings."""
     ids = ids_of(model, ends.text)
     embed = model._module.get_input_embeddings()
     out: dict[str, dict[str, Any]] = {}
@@ -153,8 +170,7 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
     with frozen_weights(model):
         for m in measures:
             x0 = embed(ids).detach()
-            variants: dict[str, Any] = {"plain": [record_forward(model, blocks, embeds=x0.clone().requires_grad_(True),
-                                                                 measure=m)]}
+            variants: dict[str, Any] = {"plain": [plain[measure_label(m)]]}
             out[measure_label(m)] = variants
             if steps <= 0:
                 continue
@@ -162,7 +178,8 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
             if path == "blocks":
                 if capture is None:
                     with torch.no_grad():
-                        capture = capture_clean(model, ends.text, min(blocks), {})
+                        capture = capture_clean(model, ends.text, min(blocks),
+                                                prefix_reads(model, min(blocks), ends.start))
                 variants[name] = block_paths(model, capture, blocks, m, steps, ends)
                 continue
             recs = []
@@ -183,13 +200,15 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
 def path_groups(model: DeltaModel, blocks: Sequence[int], steps: int, positions: int) -> list[list[int]]:
     """Blocks whose paths share one pass: their rows x blocks run, with gradients, fit the memory budget.
 
-    On a CPU consecutive blocks share a pass up to `CPU_PATH_ROWS` rows (k points a block): a pass of a
-    row or two uses the cores' matrix products less well (measured on 2 cores, the 0.8B-shaped benchmark,
-    fresh processes: k = 1, one block a pass 22.9 s, two 20.0 s; k = 2, 34.7 s and 32.5 s; k = 4, two
-    blocks a pass, 8 rows, 54.0 s against 60.8 s but 3.5 GiB against 1.6, not taken)."""
+    On a CPU consecutive blocks share a pass up to `CPU_PATH_TOKENS` rows x positions (k rows a block, at
+    least one block): the linear layers' matrix products are the passes' cost, and a product of fewer rows
+    of tokens runs below the cores' peak (2 AVX-512 cores, a 1024 x 3584 layer: 115 / 130 / 152 / 173 /
+    167 GFLOP/s at 64 / 128 / 256 / 512 / 1024 tokens). On the 0.8B-shaped benchmark (64 positions, k = 2:
+    four blocks a pass) the estimate took 26.3-29.1 s against 29.4-30.9 s at two blocks a pass, 2.2-2.5
+    GiB against 1.2 GiB; a long prompt keeps one block a pass."""
     device = device_of(model)
     if device.type == "cpu":
-        per = max(1, CPU_PATH_ROWS // max(steps, 1))
+        per = max(1, CPU_PATH_TOKENS // (max(steps, 1) * max(positions, 1)))
         ordered = sorted(blocks)
         return [ordered[i:i + per] for i in range(0, len(ordered), per)]
     per_block = row_bytes(model, positions)  # one row through one block, kept for the backward
@@ -210,24 +229,31 @@ def path_groups(model: DeltaModel, blocks: Sequence[int], steps: int, positions:
 
 def block_paths(model: DeltaModel, capture: Capture, blocks: Sequence[int], m: ResolvedMeasure, steps: int,
                 ends: PathEnds) -> dict[int, list[gradients.Recording]]:
-    """Each block's own path, its k points (`path_rule`) as rows, from that block on: {block: [its recording]}."""
+    """Each block's own path, its k points (`path_rule`) as rows, from that block on: {block: [its recording]}.
+
+    The passes run at positions `ends.start`.. over the clean prefix (`capture` holds its states and windows:
+    `recompute.prefix_reads`); the gradients at the positions before are left zero, which a cell's
+    estimate never reads: its W' - W is zero there, and the adjoint scan and the window's taps take a
+    position's gradient from the outputs at and after it only."""
     dev = device_of(model)
     a = torch.tensor(path_rule(steps, ends.clean_end)[0], dtype=torch.float32, device=dev)
+    start, s = ends.start, capture.seq_len
     out: dict[int, list[gradients.Recording]] = {}
-    for group in path_groups(model, blocks, steps, capture.seq_len):
-        rows = [Row(None, b, 0, ()) for b in group for _ in range(steps)]  # type: ignore[arg-type]
+    for group in path_groups(model, blocks, steps, s - start):
+        rows = [Row(None, b, start, ()) for b in group for _ in range(steps)]  # type: ignore[arg-type]
         inputs = dict(capture.inputs)
-        inputs.update({b: capture.inputs[b].detach().requires_grad_(True) for b in group})  # block b's conv in the graph
+        # block b's convolution in the graph
+        inputs.update({b: capture.inputs[b].detach().requires_grad_(True) for b in group})
         cap = attrs.evolve(capture, inputs=inputs)
         shifts = {}
         for n, b in enumerate(group):
-            d = ends.shift(b)
+            d = ends.shift(b)[:, start:]
             shift = torch.zeros((n + 1) * steps, *d.shape[1:], dtype=torch.float32, device=d.device)
             shift[n * steps:] = a[:, None, None, None] * d.float()  # block b's rows are the last `steps` there
             shifts[b] = shift
 
         def forward() -> torch.Tensor:
-            return run_rows(model, cap, rows, 0).logits[:, None]
+            return run_rows(model, cap, rows, start).logits[:, None]
 
         with torch.enable_grad():
             rec = gradients.record(model._module, model.family, group, _mixers(model), forward, shifts)
@@ -237,6 +263,9 @@ def block_paths(model: DeltaModel, capture: Capture, blocks: Sequence[int], m: R
             blk = rec.blocks[b]
             assert blk.grad_out is not None and blk.grad_conv is not None
             mine = slice(n * steps, (n + 1) * steps)
-            own = attrs.evolve(blk, grad_out=blk.grad_out[mine], grad_conv=blk.grad_conv[mine])
+            # positions start.. of the pass (the convolution's input also holds the prefix's window before them)
+            grad_out = F.pad(blk.grad_out[mine], (0, 0, 0, 0, start, 0))
+            grad_conv = F.pad(blk.grad_conv[mine][..., blk.grad_conv.shape[-1] - (s - start):], (start, 0))
+            own = attrs.evolve(blk, grad_out=grad_out, grad_conv=grad_conv)
             out[b] = [gradients.Recording(rec.family, {b: own}, result[mine])]
     return out

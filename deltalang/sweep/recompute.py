@@ -96,6 +96,15 @@ def capture_clean(model: DeltaModel, text: str, first_block: int, reads: Mapping
     return Capture(seq_len, inputs, kwargs, kv, {k: v for k, v in saved.items()})
 
 
+def prefix_reads(model: DeltaModel, first_block: int, start: int) -> dict[int, set[tuple[str, int | None]]]:
+    """The values `capture_clean` must keep for `run_rows` to continue from `start` at blocks first_block..:
+    each DeltaNet block's state and convolution window after start - 1 (none from position 0)."""
+    if start <= 0:
+        return {}
+    return {i: {("state_after", start - 1), ("conv_window_after", start - 1)}
+            for i in model.spec.linear_layers() if i >= first_block}
+
+
 class _FrozenAttention:
     """Builds an attention block's cache layer holding the clean prefix's keys and values."""
 
