@@ -21,7 +21,8 @@ From these, per block and without holding any other block's per-token states:
   the window's column i is token t-width+2+i, which the convolution outputs at t+1..t+i+1 read
   through kernel taps i..0, so its gradient is sum_{d=1}^{i+1} weight[:, i+1-d] * gy_{t+d}.
 - `states(block)` / `windows(block)`: the block's own states and windows after every token
-  (`kernels.per_token`; the windows zero-filled on the left), what a patch's difference needs.
+  (`kernels.per_token`; the windows zero-filled on the left), what a patch's difference needs;
+  `state_at(block, t)` the state after token t alone.
 
 A recording holds activations of the size of the kernels' inputs and outputs; the per-token
 states exist for one block at a time in the callers' hands. Prompts only (no decode step): a
@@ -190,6 +191,15 @@ def states(fam: families.Family, blk: BlockRecord) -> torch.Tensor:
     assert blk.query is not None and blk.key is not None and blk.value is not None
     assert blk.g is not None and blk.beta is not None
     return kernels.per_token(fam, blk.query, blk.key, blk.value, blk.g, blk.beta, blk.initial, blk.l2)[1]
+
+
+def state_at(fam: families.Family, blk: BlockRecord, t: int) -> torch.Tensor:
+    """The block's state after token t, `[b, h, dk, dv]` float32: the delta rule over tokens 0..t only."""
+    assert blk.query is not None and blk.key is not None and blk.value is not None
+    assert blk.g is not None and blk.beta is not None
+    cut = slice(None, t + 1)
+    return kernels.per_token(fam, blk.query[:, cut], blk.key[:, cut], blk.value[:, cut], blk.g[:, cut],
+                             blk.beta[:, cut], blk.initial, blk.l2, final_state=True)[1]
 
 
 def windows(blk: BlockRecord) -> torch.Tensor:

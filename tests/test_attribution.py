@@ -26,6 +26,7 @@ from deltalang import families, gradients
 from deltalang.ast import format_program
 from deltalang.sweep import DeltaSweepError, attribution, paths
 from deltalang.sweep.attribution import path_start, target_of
+from deltalang.sweep.job import measure_label
 from deltalang.sweep.recompute import capture_clean, prefix_reads
 from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
 
@@ -223,12 +224,19 @@ def test_block_paths_from_their_block_equal_whole_model_passes(family: str, shar
     target = target_of(deltalang.compile(src, model))
     start = path_start(model, target)
     assert start == (0 if other == OTHER else 11)
-    clean = paths.record_forward(model, blocks, ids=paths.ids_of(model, CLEAN))
+    plain, cap = paths.plain_runs(model, blocks, CLEAN, target.measures, min(blocks))
+    clean = plain[measure_label(target.measures[0])]
     donor = paths.record_forward(model, blocks, ids=paths.ids_of(model, other))
     ends = paths.PathEnds(CLEAN, clean, donor, other, None, start)
     steps, m = 3, target.measures[0]
-    with paths.frozen_weights(model), torch.no_grad():
-        cap = capture_clean(model, CLEAN, min(blocks), prefix_reads(model, min(blocks), start))
+    cap = paths.with_prefix(model, cap, clean, start)  # the clean prefix's states and windows, from the recording
+    with paths.frozen_weights(model), torch.no_grad():  # the same as the engine's capture of them
+        engine = capture_clean(model, CLEAN, min(blocks), prefix_reads(model, min(blocks), start))
+    assert set(cap.values) == set(engine.values) and set(cap.inputs) == set(engine.inputs)
+    for key, x in engine.values.items():
+        torch.testing.assert_close(cap.values[key], x, atol=1e-5, rtol=1e-4)
+    for i, x in engine.inputs.items():
+        torch.testing.assert_close(cap.inputs[i], x)
     if shared:  # every block's rows in one pass (what a GPU's memory budget allows)
         monkeypatch.setattr(paths, "path_groups", lambda model, blocks, steps, positions: [sorted(blocks)])
     with paths.frozen_weights(model):

@@ -444,13 +444,14 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
         raise DeltaSweepError(f"path is one of {', '.join(PATHS)}, got {path!r}")
     check_path(model, target, steps, path)
     blocks = sorted({b for b, _ in target.cells})
-    plain = plain_runs(model, blocks, target.sweep.prompt_text, target.measures)
+    plain, capture = plain_runs(model, blocks, target.sweep.prompt_text, target.measures,
+                                min(blocks) if path == "blocks" and steps > 0 else None)
     clean = plain[measure_label(target.measures[0])]
     donors = _source_runs(model, exp, target)
     donor = next(iter(donors.values())) if target.donor is not None else None
     ends = PathEnds(target.sweep.prompt_text, clean, donor, target.donor, target.factor,
                     path_start(model, target))
-    runs = gradient_runs(model, blocks, target.measures, steps, path, ends, plain)
+    runs = gradient_runs(model, blocks, target.measures, steps, path, ends, plain, capture)
     est = estimates(model, target, clean, donors, runs, ends.clean_end)
     variants = list(next(iter(runs.values())).keys())
     default = variants[-1]

@@ -8,7 +8,7 @@ towards a donor; towards zeros or a scale, the Gauss-Radau rule whose fixed node
 the `plain` gradient is its a = 0 point):
 - "blocks": for each block L, its kernel output shifted by a * (goal - clean), nothing else. The
   blocks before L are the clean run's, so the pass starts at block L: the clean residual stream
-  entering L (`recompute.capture_clean`, one capture for every block) is fed to blocks L.. only
+  entering L (captured by the plain gradient's forward: `plain_runs`) is fed to blocks L.. only
   (`recompute.run_rows`, from `PathEnds.start`, the first position a path moves), and the backward
   stops at block L's input. Several
   blocks' paths share one pass as rows (rows starting at a later block hold the clean stream until
@@ -38,7 +38,7 @@ from ..ir import ResolvedMeasure
 from ..model import DeltaModel, decoder_layers
 from .job import measure_label
 from .memory import memory_budget, row_bytes
-from .recompute import Capture, Row, capture_clean, device_of, prefix_reads, run_rows
+from .recompute import Capture, Row, capture_forward, device_of, dtype_of, prefix_reads, run_rows
 
 PATHS = {"outputs": "out", "embeddings": "emb", "blocks": "blk"}  # path -> the prefix of its variant's name
 CPU_PATH_TOKENS = 512  # rows x positions of one block-path pass on a CPU at most (`path_groups`)
@@ -85,13 +85,18 @@ def _mixers(model: DeltaModel) -> Callable[[int], torch.nn.Module]:
 
 def record_forward(model: DeltaModel, blocks: Sequence[int], ids: torch.Tensor | None = None,
                    embeds: torch.Tensor | None = None, measure: ResolvedMeasure | None = None,
-                   shifts: dict[int, torch.Tensor] | None = None) -> gradients.Recording:
-    """One forward of `ids` (or input embeddings) recording `blocks`; with `measure`, its gradients."""
+                   shifts: dict[int, torch.Tensor] | None = None, cache: Any = None) -> gradients.Recording:
+    """One forward of `ids` (or input embeddings) recording `blocks`; with `measure`, its gradients; with
+    `cache` (a fresh transformers cache), filling it."""
     hf = model._module
 
     def forward() -> torch.Tensor:
         kw: dict[str, Any] = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
-        return hf(**kw, use_cache=False, logits_to_keep=1).logits
+        if cache is not None:
+            kw.update(cache=cache, use_cache=True)
+        else:
+            kw.update(use_cache=False)
+        return hf(**kw, logits_to_keep=1).logits
 
     with torch.set_grad_enabled(measure is not None):
         rec = gradients.record(hf, model.family, sorted(set(blocks)), _mixers(model), forward, shifts)
@@ -149,24 +154,55 @@ class PathEnds:
         return goal - here
 
 
-def plain_runs(model: DeltaModel, blocks: Sequence[int], text: str, measures: Sequence[ResolvedMeasure]
-               ) -> dict[str, gradients.Recording]:
+def plain_runs(model: DeltaModel, blocks: Sequence[int], text: str, measures: Sequence[ResolvedMeasure],
+               capture_from: int | None = None) -> tuple[dict[str, gradients.Recording], Capture | None]:
     """{measure label: the clean forward of `text` recorded with that measure's gradients} (`plain`); any of
-    them is also the clean recording (its kernel inputs and outputs)."""
+    them is also the clean recording (its kernel inputs and outputs).
+
+    With `capture_from` (the blocks' paths need it) the first measure's forward also leaves the clean
+    capture for `run_rows` from that block (`recompute.capture_forward`: no separate clean forward), and
+    records every DeltaNet block from there (`with_prefix` takes the capture's prefix states from them)."""
     x0 = model._module.get_input_embeddings()(ids_of(model, text)).detach()
+    out: dict[str, gradients.Recording] = {}
+    capture: Capture | None = None
     with frozen_weights(model):
-        return {measure_label(m): record_forward(model, blocks, embeds=x0.clone().requires_grad_(True), measure=m)
-                for m in measures}
+        for m in measures:
+            embeds = x0.clone().requires_grad_(True)
+            if capture_from is None or capture is not None:
+                out[measure_label(m)] = record_forward(model, blocks, embeds=embeds, measure=m)
+                continue
+            layers = sorted(set(blocks) | {i for i in model.spec.linear_layers() if i >= capture_from})
+            def forward(cache: Any, m: ResolvedMeasure = m, embeds: torch.Tensor = embeds) -> gradients.Recording:
+                return record_forward(model, layers, embeds=embeds, measure=m, cache=cache)
+
+            out[measure_label(m)], capture = capture_forward(model, capture_from, forward)
+    return out, capture
+
+
+def with_prefix(model: DeltaModel, capture: Capture, clean: gradients.Recording, start: int) -> Capture:
+    """`capture` holding the clean states and windows after `start` - 1 that `run_rows` continues from
+    (`recompute.prefix_reads`), taken from the clean recording's blocks."""
+    got: dict[tuple[str, int, int | None], torch.Tensor] = {}
+    for i, asked in prefix_reads(model, min(capture.inputs), start).items():
+        blk = clean.blocks[i]
+        for value, p in asked:
+            assert p is not None
+            got[(value, i, p)] = (gradients.state_at(model.family, blk, p) if value == "state_after"
+                                  else gradients.windows(blk)[:, p].to(dtype_of(model, value)))
+    return attrs.evolve(capture, values=got)
 
 
 def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[ResolvedMeasure], steps: int,
-                  path: str, ends: PathEnds, plain: dict[str, gradients.Recording]) -> dict[str, dict[str, Any]]:
+                  path: str, ends: PathEnds, plain: dict[str, gradients.Recording], capture: Capture | None
+                  ) -> dict[str, dict[str, Any]]:
     """{measure label: {variant: recordings that variant integrates}} ("blocks": {block: recordings});
-    `plain`: `plain_runs`'s recordings."""
+    `plain`, `capture`: `plain_runs`'s (the capture from the first swept block, for path "blocks")."""
     ids = ids_of(model, ends.text)
     embed = model._module.get_input_embeddings()
     out: dict[str, dict[str, Any]] = {}
-    capture: Capture | None = None
+    if path == "blocks" and steps > 0:
+        assert capture is not None, "path blocks runs from the clean capture (plain_runs' capture_from)"
+        capture = with_prefix(model, capture, ends.clean, ends.start)
     with frozen_weights(model):
         for m in measures:
             x0 = embed(ids).detach()
@@ -176,10 +212,7 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
                 continue
             name = f"{PATHS[path]}{steps}"
             if path == "blocks":
-                if capture is None:
-                    with torch.no_grad():
-                        capture = capture_clean(model, ends.text, min(blocks),
-                                                prefix_reads(model, min(blocks), ends.start))
+                assert capture is not None
                 variants[name] = block_paths(model, capture, blocks, m, steps, ends)
                 continue
             recs = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -50,25 +50,10 @@ def capture_clean(model: DeltaModel, text: str, first_block: int, reads: Mapping
     conv_window_after (a position) or state_output (None). Read through the value
     layer in forward order; block inputs and arguments through forward pre-hooks.
     """
-    from transformers import DynamicCache
-
-    hf = model._module
-    layers = decoder(hf).layers
-    inputs: dict[int, torch.Tensor] = {}
-    kwargs: dict[int, dict[str, Any]] = {}
-
-    def recorder(i: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: tuple, kw: dict) -> None:
-            inputs[i] = args[0] if args else kw["hidden_states"]
-            kwargs[i] = {k: v for k, v in kw.items() if k != "hidden_states"}
-        return hook
-
-    hooks = [layers[i].register_forward_pre_hook(recorder(i), with_kwargs=True)
-             for i in range(first_block, len(layers))]
-    cache = DynamicCache(config=hf.config)
     saved: dict[tuple[str, int, int | None], Any] = {}
     order = {"conv_window_after": 0, "state_after": 1, "state_output": 2}
-    try:
+
+    def forward(cache: Any) -> None:
         with torch.no_grad(), model.trace(text, cache=cache, use_cache=True):
             for i in sorted(reads):
                 mixer = model.layers[i].linear_attn
@@ -79,6 +64,37 @@ def capture_clean(model: DeltaModel, text: str, first_block: int, reads: Mapping
                         saved[(value, i, p)] = mixer.state_after(p).save()
                     else:
                         saved[(value, i, p)] = mixer.conv_window_after(p).save()
+
+    _, cap = capture_forward(model, first_block, forward)
+    return attrs.evolve(cap, values=dict(saved))
+
+
+T = TypeVar("T")
+
+
+def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any], T]) -> tuple[T, Capture]:
+    """What `forward(cache)` leaves for `run_rows`, no values: `forward` is one forward of the clean prompt
+    through the model given a fresh transformers cache (`cache=cache, use_cache=True`), with or without
+    gradients (what is kept is detached): the residual stream entering blocks first_block.. and their call
+    arguments (forward pre-hooks), the attention blocks' keys and values (the cache)."""
+    from transformers import DynamicCache
+
+    hf = model._module
+    layers = decoder(hf).layers
+    inputs: dict[int, torch.Tensor] = {}
+    kwargs: dict[int, dict[str, Any]] = {}
+
+    def recorder(i: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, kw: dict) -> None:
+            inputs[i] = (args[0] if args else kw["hidden_states"]).detach()
+            kwargs[i] = {k: _detached(v) for k, v in kw.items() if k != "hidden_states"}
+        return hook
+
+    hooks = [layers[i].register_forward_pre_hook(recorder(i), with_kwargs=True)
+             for i in range(first_block, len(layers))]
+    cache = DynamicCache(config=hf.config)
+    try:
+        result = forward(cache)
     finally:
         for h in hooks:
             h.remove()
@@ -88,12 +104,20 @@ def capture_clean(model: DeltaModel, text: str, first_block: int, reads: Mapping
             layer: Any = cache.layers[i]
             if getattr(layer, "keys", None) is None:
                 raise Unsupported(f"block {i}'s cache holds no keys ({type(layer).__name__})")
-            kv[i] = (layer.keys, layer.values)
+            kv[i] = (layer.keys.detach(), layer.values.detach())
     missing = [i for i in range(first_block, len(layers)) if i not in inputs or "cache" not in kwargs[i]]
     if missing:
         raise Unsupported(f"blocks {missing} were not called with a cache")
     seq_len = int(next(iter(inputs.values())).shape[1])
-    return Capture(seq_len, inputs, kwargs, kv, {k: v for k, v in saved.items()})
+    return result, Capture(seq_len, inputs, kwargs, kv, {})
+
+
+def _detached(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, tuple) and all(isinstance(x, torch.Tensor) for x in v):
+        return tuple(x.detach() for x in v)
+    return v
 
 
 def prefix_reads(model: DeltaModel, first_block: int, start: int) -> dict[int, set[tuple[str, int | None]]]:
@@ -311,7 +335,8 @@ def _site(model: DeltaModel, i: int) -> Any:
     return getattr(mixer, "_deltalang_site", None)
 
 
-def _direct_writes(rows: Sequence[Row], layer: int, start: int) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+def _direct_writes(rows: Sequence[Row], layer: int, start: int
+                   ) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
     """The writes rows make at `layer`, keyed (value, position in the call) -> (row indices, values)."""
     by_site: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}
     for n, row in enumerate(rows):
