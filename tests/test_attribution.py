@@ -237,6 +237,10 @@ def test_block_paths_from_their_block_equal_whole_model_passes(family: str, shar
         torch.testing.assert_close(cap.values[key], x, atol=1e-5, rtol=1e-4)
     for i, x in engine.inputs.items():
         torch.testing.assert_close(cap.inputs[i], x)
+    assert set(cap.kv) == set(engine.kv)
+    for i, (keys, vals) in engine.kv.items():
+        torch.testing.assert_close(cap.kv[i][0], keys)
+        torch.testing.assert_close(cap.kv[i][1], vals)
     if shared:  # every block's rows in one pass (what a GPU's memory budget allows)
         monkeypatch.setattr(paths, "path_groups", lambda model, blocks, steps, positions: [sorted(blocks)])
     with paths.frozen_weights(model):

@@ -25,8 +25,9 @@ own (the output of states zeroed or scaled at every token); `steps=0` gives `pla
 mean writes or mixed sources get `plain`.
 With `refine=K` the K cells of largest |default estimate| (first measure) run exactly through
 `exact` (the sweep engine, `driver.run_sweeps`), the sweep narrowed to those cells, one sweep per
-block. Returns an `Attribution`: rows of estimates (and exact values where refined), the table
-text and `DIR/attribution.csv` with `out`. The model's weights and their grads are left as they were.
+block, the engine's clean forward answered from the plain gradient's (`paths.reused_capture`).
+Returns an `Attribution`: rows of estimates (and exact values where refined), the table text and
+`DIR/attribution.csv` with `out`. The model's weights and their grads are left as they were.
 `method_of` reads a sweep's `method attribution [steps K] [refine K] [path P]` (the caller's options
 replace it); `refuse_estimated` keeps the exact engine from running such a sweep cell by cell.
 """
@@ -34,6 +35,7 @@ replace it); `refuse_estimated` keeps the exact engine from running such a sweep
 from __future__ import annotations
 
 import csv
+from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,8 @@ from ..ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale,
 from ..model import DeltaModel
 from .errors import DeltaSweepError
 from .job import measure_label
-from .paths import PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward
+from .paths import (PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward,
+                    reused_capture)
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
@@ -445,7 +448,7 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
     check_path(model, target, steps, path)
     blocks = sorted({b for b, _ in target.cells})
     plain, capture = plain_runs(model, blocks, target.sweep.prompt_text, target.measures,
-                                min(blocks) if path == "blocks" and steps > 0 else None)
+                                min(blocks) if (path == "blocks" and steps > 0) or refine else None)
     clean = plain[measure_label(target.measures[0])]
     donors = _source_runs(model, exp, target)
     donor = next(iter(donors.values())) if target.donor is not None else None
@@ -466,7 +469,9 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
             raise DeltaSweepError("refine needs the sweep engine (deltalang.run_sweep passes it)")
         first = measure_label(target.measures[0])
         top = sorted((r for r in rows if r.measure == first), key=lambda r: -abs(r.estimates[default]))[:refine]
-        refine_cells(exp, target, result, [(r.block, r.position) for r in top], exact)
+        assert capture is not None
+        refine_cells(exp, target, result, [(r.block, r.position) for r in top],
+                     partial(exact, capture=reused_capture(capture, clean, target.sweep.prompt_text)))
     if out is not None:
         result.files.append(result.write_csv(Path(out) / "attribution.csv"))
     return result

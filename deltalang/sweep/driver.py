@@ -30,6 +30,7 @@ from .inline import outcome_html
 from .job import Cell, Normalise, ResultRow, SweepJob, added_result_name, measure_label, plan_job, start_of
 from .memory import batch_for
 from .plots import plot_table
+from .recompute import Capture, capture_clean
 from .store import SweepStore, csv_columns, csv_rows, open_store, rows_from_csv
 from .support import SUPPORT, Support
 from .table import SweepTable, render_tables, token_texts
@@ -124,15 +125,16 @@ def _describe(model: DeltaModel, job: SweepJob, cells: Sequence[Cell], batch: in
 def run_sweeps(exp: Experiment, *, out: str | Path | None = None, resume: bool = False,
                batch_size: int | None = None, normalise: str | Mapping[str, str] | Normalise | None = None,
                progress: bool | None = None, console: Console | None = None, engine: str = "auto",
-               on_chunk: Callable[[int], None] | None = None) -> SweepOutcome:
+               on_chunk: Callable[[int], None] | None = None, capture: Callable[..., Capture] = capture_clean
+               ) -> SweepOutcome:
     """Run a compiled program that has sweeps: its other runs once, each sweep through the engine.
 
-    `out`: write DIR/sweep.csv (as cells finish), sweep.json and the plots there;
-    `resume`: continue the sweep in `out` without recomputing its finished cells;
-    `batch_size`: rows per forward (default: from a memory budget); `normalise`:
-    `clean=RUN,corrupted=RUN`; `progress`: show the bar and which path each sweep
-    takes (default: on a terminal); `engine`: "auto" or "naive" (the reference
-    path for every cell); `on_chunk(cells_done)`: called after each forward's cells are saved.
+    `out`: write DIR/sweep.csv (as cells finish), sweep.json and the plots there; `resume`: continue
+    the sweep in `out` without recomputing its finished cells; `batch_size`: rows per forward (default:
+    from a memory budget); `normalise`: `clean=RUN,corrupted=RUN`; `progress`: show the bar and which
+    path each sweep takes (default: on a terminal); `engine`: "auto" or "naive" (the reference path for
+    every cell); `on_chunk(cells_done)`: called after each forward's cells are saved; `capture`: the
+    engine's clean forward (attribution's refine passes one answered from its gradients' forward).
     """
     if engine not in ("auto", "naive"):
         raise DeltaSweepError(f"engine is 'auto' or 'naive', got {engine!r}")
@@ -155,9 +157,7 @@ def run_sweeps(exp: Experiment, *, out: str | Path | None = None, resume: bool =
     values_: dict[str, Any] = {k: v for k, v in support_results.items() if not k.startswith(SUPPORT)}
     if store is not None and norm is not None:
         store.set_baselines({job.name: baselines(support_results, job) for job in jobs})
-    tables = {job.name: SweepTable(job.name, job.run.axes, token_texts(model, job.run),
-                                   [measure_label(m) for m in job.run.measures],
-                                   kinds={measure_label(m): m.kind for m in job.run.measures}) for job in jobs}
+    tables = {job.name: _table(model, job) for job in jobs}
     finished: dict[str, set[int]] = {job.name: set() for job in jobs}
     if store is not None:
         values_.update(_restore(store, jobs, columns, tables, finished))
@@ -178,7 +178,7 @@ def run_sweeps(exp: Experiment, *, out: str | Path | None = None, resume: bool =
         if on_chunk is not None:
             on_chunk(done_count[0])
 
-    ctx = Context(exp, support_results, emit)
+    ctx = Context(exp, support_results, emit, capture)
     if console is not None:
         for job in jobs:
             console.print(_describe(model, job, todo[job.name], batches[job.name]), highlight=False)
@@ -201,6 +201,13 @@ def run_sweeps(exp: Experiment, *, out: str | Path | None = None, resume: bool =
         t.rows.sort(key=lambda r: r.cell)
     return SweepOutcome(_results(exp, jobs, values_), [tables[j.name] for j in jobs], files,
                         {j.name: j.path for j in jobs})
+
+
+def _table(model: DeltaModel, job: SweepJob) -> SweepTable:
+    """A sweep's empty table: its axes, its prompt's tokens, its measures."""
+    labels = [measure_label(m) for m in job.run.measures]
+    return SweepTable(job.name, job.run.axes, token_texts(model, job.run), labels,
+                      kinds={measure_label(m): m.kind for m in job.run.measures})
 
 
 def _console_for(progress: bool | None, console: Console | None) -> Console | None:

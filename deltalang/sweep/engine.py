@@ -45,6 +45,7 @@ class Context:
     exp: Experiment
     support: dict[str, Any]
     emit: Callable[[SweepJob, dict[int, list[ResultRow]], dict[str, Any]], None]
+    capture: Callable[..., Capture] = capture_clean  # (model, text, first block, reads) -> the clean capture
 
 
 # A forward's fixed cost (reading every weight, launching every kernel) in rows x positions of work. On a
@@ -176,7 +177,7 @@ def run_fast(ctx: Context, job: SweepJob, todo: Sequence[Cell], batch: int) -> N
             if not any(wanted.intersection(c.index for c in wave[start]) for start in wave):
                 continue
             first, reads = _capture_reads(model, job, wave)
-            cap = capture_clean(model, job.run.prompt_text, first, reads)
+            cap = ctx.capture(model, job.run.prompt_text, first, reads)
             outputs = sorted({i for i in model.spec.linear_layers()
                               if ("state_output", None) in reads.get(i, set())})
             for start, group in wave.items():

@@ -23,7 +23,7 @@ gradient (their `requires_grad` is restored after).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
@@ -38,7 +38,7 @@ from ..ir import ResolvedMeasure
 from ..model import DeltaModel, decoder_layers
 from .job import measure_label
 from .memory import memory_budget, row_bytes
-from .recompute import Capture, Row, capture_forward, device_of, dtype_of, prefix_reads, run_rows
+from .recompute import Capture, Row, capture_clean, capture_forward, device_of, dtype_of, prefix_reads, run_rows
 
 PATHS = {"outputs": "out", "embeddings": "emb", "blocks": "blk"}  # path -> the prefix of its variant's name
 CPU_PATH_TOKENS = 512  # rows x positions of one block-path pass on a CPU at most (`path_groups`)
@@ -179,17 +179,36 @@ def plain_runs(model: DeltaModel, blocks: Sequence[int], text: str, measures: Se
     return out, capture
 
 
-def with_prefix(model: DeltaModel, capture: Capture, clean: gradients.Recording, start: int) -> Capture:
-    """`capture` holding the clean states and windows after `start` - 1 that `run_rows` continues from
-    (`recompute.prefix_reads`), taken from the clean recording's blocks."""
+def with_values(model: DeltaModel, capture: Capture, clean: gradients.Recording,
+                reads: Mapping[int, set[tuple[str, int | None]]]) -> Capture:
+    """`capture` holding the clean values `reads` asks for (as `recompute.capture_clean` reads them: the state
+    or window after a position, the state after the last), taken from the clean recording's blocks."""
     got: dict[tuple[str, int, int | None], torch.Tensor] = {}
-    for i, asked in prefix_reads(model, min(capture.inputs), start).items():
+    for i, asked in reads.items():
         blk = clean.blocks[i]
         for value, p in asked:
-            assert p is not None
-            got[(value, i, p)] = (gradients.state_at(model.family, blk, p) if value == "state_after"
-                                  else gradients.windows(blk)[:, p].to(dtype_of(model, value)))
+            if value == "conv_window_after":
+                assert p is not None
+                got[(value, i, p)] = gradients.windows(blk)[:, p].to(dtype_of(model, value))
+            else:
+                got[(value, i, p)] = gradients.state_at(model.family, blk, capture.seq_len - 1 if p is None else p)
     return attrs.evolve(capture, values=got)
+
+
+def with_prefix(model: DeltaModel, capture: Capture, clean: gradients.Recording, start: int) -> Capture:
+    """`capture` holding the clean states and windows after `start` - 1 that `run_rows` continues from."""
+    return with_values(model, capture, clean, prefix_reads(model, min(capture.inputs), start))
+
+
+def reused_capture(capture: Capture, clean: gradients.Recording, text: str) -> Callable[..., Capture]:
+    """A stand-in for `recompute.capture_clean` (the engine's `capture`) answering from `plain_runs`' capture
+    of `text` and its recording where it holds what is asked (no second clean forward)."""
+    def provide(model: DeltaModel, asked: str, first: int, reads: Mapping[int, set[tuple[str, int | None]]]
+                ) -> Capture:
+        if asked != text or first < min(capture.inputs):
+            return capture_clean(model, asked, first, reads)
+        return with_values(model, capture, clean, reads)
+    return provide
 
 
 def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[ResolvedMeasure], steps: int,
