@@ -12,9 +12,12 @@ Printed per write (state from the donor, whole memory from the donor, state zero
 zeroed): pooled Spearman, the mean number of each prompt's exact top-10 cells among its 20 largest
 estimates (what `refine top 20` runs exactly), and the share of cells with |exact| > 1 whose sign is right.
 Part 2, speed (random Qwen3.5-0.8B-shaped model, 18 DeltaNet blocks x 64 positions of a 64-token
-prompt): `run_sweep(method="attribution", refine=20)` against the engine's full exact grid, in one run.
+prompt): `run_sweep(method="attribution", refine=20)` against the engine's full exact grid, in one run,
+interleaved in rounds (each round: every estimate once, a third of the grid's positions) so that both
+sides meet the same drifts of a shared machine.
 
     python benchmarks/attribution.py [--pairs N] [--png docs/attribution_scatter.png] [--no-speed]
+                                     [--no-quality] [--threads N] [--rounds R]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import ctypes
 import datetime
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -47,7 +51,6 @@ from deltalang.sweep import run_sweeps  # noqa: E402
 from deltalang.sweep.attribution import DONOR_STEPS, PATHS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-FULL_GRID = "--full-grid" in sys.argv
 WRITES = {
     "state, donor": ("write L.state_after(t) from other",),
     "memory, donor": ("write L.state_after(t) from other", "write L.conv_window_after(t) from other"),
@@ -187,7 +190,11 @@ class PeakRSS:
         return (self.peak - self.start) / 2**20
 
 
-def speed(threads: int) -> None:
+def speed(threads: int, rounds: int) -> None:
+    """Every estimate against the exact engine's full grid, interleaved: in each of `rounds` rounds each
+    estimate runs once and the engine runs a `rounds`-th of the grid (every `rounds`-th position, all
+    blocks: each position's rows batch as in the whole grid), so that both sides meet the same slow
+    drifts of this shared machine; an estimate's time is its median, the grid's the sum of its parts."""
     hf = qwen35_08b_shaped()
     model = wrap_model(hf, tokenizer_for(), "random Qwen3.5-0.8B-shaped")
     text = ("The Eiffel Tower is in the city of Paris, and the Louvre is near the " * 2)[:64]
@@ -206,45 +213,40 @@ def speed(threads: int) -> None:
         deltalang.run_sweep(src, model, method="attribution")
     d = model.spec.dims
     block = len(ids[0]) * d["heads"] * d["key_dim"] * d["value_dim"] * 4 / 2**20
-    times = {}
     runs = [(f"estimate (blocks, k={k}{', the default' if k == DONOR_STEPS else ''}) + refine top 20",
              {"steps": k}) for k in sorted({DONOR_STEPS, 1, 2, 4}, reverse=True)]
-    for name, kw in (*runs, ("estimate (plain) + refine top 20", {"steps": 0})):
-        t0 = time.perf_counter()
-        est = deltalang.run_sweep(src, model, method="attribution", refine=20, **kw)
-        times[name] = time.perf_counter() - t0
-    # the exact engine on the refined cells' positions (all 18 blocks) plus 8 spread ones; the full grid's
-    # time is this run's seconds scaled by the engine's work share (its cost follows the share:
-    # benchmarks/sweep.py measures engine / limit = 1.04x), when --full-grid is not given
+    runs.append(("estimate (plain) + refine top 20", {"steps": 0}))
     exp = deltalang.compile(src, model)
     sw = exp.resolved.runs[-1]
-    n_layers, n_tok = model.spec.num_layers, len(ids[0])
-    positions = sorted({r.position for r in est.refined()} | {round(i * 63 / 7) for i in range(8)})
-    if FULL_GRID:
-        positions = list(range(n_tok))
-    axes = (sw.axes[0], attrs.evolve(sw.axes[1], values=tuple(positions), labels=tuple(positions)))
-    sub = Experiment(src, model, resolved=attrs.evolve(exp.resolved, runs=(*exp.resolved.runs[:-1],
-                                                                            attrs.evolve(sw, axes=axes))))
-
-    def share(ps: list[int]) -> float:
-        return sum((n_layers - L) / n_layers * (n_tok - t) / n_tok for L in sw.axes[0].values for t in ps)
-
-    t0 = time.perf_counter()
-    exact = run_sweeps(sub, progress=False)
-    measured = time.perf_counter() - t0
-    scale = share(list(range(n_tok))) / share(positions)
-    times["exact engine, full grid" + ("" if FULL_GRID else " (scaled, see below)")] = measured * scale
+    n_tok = len(ids[0])
+    times: dict[str, list[float]] = {name: [] for name, _ in runs}
+    parts: list[float] = []
+    exact_rows: list = []
+    for r in range(rounds):
+        for name, kw in runs:
+            t0 = time.perf_counter()
+            est = deltalang.run_sweep(src, model, method="attribution", refine=20, **kw)
+            times[name].append(time.perf_counter() - t0)
+        positions = list(range(r, n_tok, rounds))
+        axes = (sw.axes[0], attrs.evolve(sw.axes[1], values=tuple(positions), labels=tuple(positions)))
+        sub = Experiment(src, model, resolved=attrs.evolve(exp.resolved, runs=(*exp.resolved.runs[:-1],
+                                                                                attrs.evolve(sw, axes=axes))))
+        t0 = time.perf_counter()
+        exact_rows += run_sweeps(sub, progress=False).tables[0].rows
+        parts.append(time.perf_counter() - t0)
+        print(f"round {r + 1}: " + ", ".join(f"{v[-1]:.1f}" for v in times.values()) +
+              f" s; exact positions {r}::{rounds} {parts[-1]:.1f} s", flush=True)
+    base = sum(parts)
     print(f"\nspeed: random Qwen3.5-0.8B-shaped model, 64-token prompt, 18 blocks x 64 positions = "
-          f"{18 * n_tok} cells, {threads} thread(s); one run each")
-    base = measured * scale
-    print(f"{'':<52} {'seconds':>8} {'vs exact grid':>14}")
-    for k, v in times.items():
-        print(f"{k:<52} {v:8.1f} {base / v:13.1f}x")
-    if not FULL_GRID:
-        print(f"exact engine measured on {len(exact.tables[0].rows)} cells (18 blocks x positions {positions}): "
-              f"{measured:.1f} s, x {scale:.2f} (the full grid's work share over theirs)")
+          f"{18 * n_tok} cells, {threads} thread(s); {rounds} interleaved rounds")
+    print(f"{'':<52} {'seconds':>8} {'vs exact grid':>14} {'rounds (s)':>22}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:<52} {med:8.1f} {base / med:13.1f}x {' / '.join(f'{t:.1f}' for t in ts):>22}")
+    print(f"{'exact engine, full grid (the sum of its parts)':<52} {base:8.1f} {1:13.1f}x "
+          f"{' / '.join(f'{t:.1f}' for t in parts):>22}")
     label = est.rows[0].measure
-    got = {(dict(r.point)["L"], dict(r.point)["t"]): r.value - est.clean[label] for r in exact.tables[0].rows}
+    got = {(dict(r.point)["L"], dict(r.point)["t"]): r.value - est.clean[label] for r in exact_rows}
     worst = max(abs(r.exact - got[(r.block, r.position)]) for r in est.refined())
     print(f"refined cells against the engine's grid: max |diff| {worst:.2e}")
     print(f"peak memory above the start (RSS): a forward with gradients + backward (batch 1) {fwd.mib:.0f} MiB; "
@@ -258,7 +260,7 @@ def main() -> None:
     ap.add_argument("--png", default=None, help="write the scatter here")
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--no-quality", action="store_true", help="the speed part only")
-    ap.add_argument("--full-grid", action="store_true", help="time the exact engine on the whole grid (slow)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the speed part")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -270,7 +272,7 @@ def main() -> None:
         if args.png:
             scatter(res, Path(args.png), f"blk{DONOR_STEPS}")
     if not args.no_speed:
-        speed(args.threads)
+        speed(args.threads, args.rounds)
 
 
 if __name__ == "__main__":
