@@ -35,8 +35,8 @@ replace it); `refuse_estimated` keeps the exact engine from running such a sweep
 from __future__ import annotations
 
 import csv
-from functools import partial
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 

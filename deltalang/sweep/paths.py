@@ -10,10 +10,9 @@ the `plain` gradient is its a = 0 point):
   blocks before L are the clean run's, so the pass starts at block L: the clean residual stream
   entering L (captured by the plain gradient's forward: `plain_runs`) is fed to blocks L.. only
   (`recompute.run_rows`, from `PathEnds.start`, the first position a path moves), and the backward
-  stops at block L's input. Several
-  blocks' paths share one pass as rows (rows starting at a later block hold the clean stream until
-  there): on a GPU as many as the sweep's memory budget allows, on a CPU up to `CPU_PATH_TOKENS` rows x positions;
-  each block's rows are then its own recording.
+  stops at block L's input. Several blocks' paths share one pass as rows (rows starting at a later
+  block hold the clean stream until there): on a GPU as many as the sweep's memory budget allows, on
+  a CPU up to `CPU_PATH_TOKENS` rows x positions; each block's rows are then its own recording.
   The same gradients as a whole-model forward with that one shift, to float noise.
 - "outputs": every swept block's output shifted together, one whole-model pass per point;
 - "embeddings": the input embeddings moved from the clean prompt's to the donor's.
@@ -172,6 +171,7 @@ def plain_runs(model: DeltaModel, blocks: Sequence[int], text: str, measures: Se
                 out[measure_label(m)] = record_forward(model, blocks, embeds=embeds, measure=m)
                 continue
             layers = sorted(set(blocks) | {i for i in model.spec.linear_layers() if i >= capture_from})
+
             def forward(cache: Any, m: ResolvedMeasure = m, embeds: torch.Tensor = embeds) -> gradients.Recording:
                 return record_forward(model, layers, embeds=embeds, measure=m, cache=cache)
 
@@ -205,7 +205,7 @@ def reused_capture(capture: Capture, clean: gradients.Recording, text: str) -> C
     of `text` and its recording where it holds what is asked (no second clean forward)."""
     def provide(model: DeltaModel, asked: str, first: int, reads: Mapping[int, set[tuple[str, int | None]]]
                 ) -> Capture:
-        if asked != text or first < min(capture.inputs):
+        if asked != text or first < min(capture.inputs) or any(i not in clean.blocks for i in reads):
             return capture_clean(model, asked, first, reads)
         return with_values(model, capture, clean, reads)
     return provide
