@@ -22,7 +22,7 @@ From these, per block and without holding any other block's per-token states:
   through kernel taps i..0, so its gradient is sum_{d=1}^{i+1} weight[:, i+1-d] * gy_{t+d}.
 - `states(block)` / `windows(block)`: the block's own states and windows after every token
   (`kernels.per_token`; the windows zero-filled on the left), what a patch's difference needs;
-  `state_at(block, t)` the state after token t alone.
+  `states_at(block, ts)` the states after the tokens ts alone.
 
 A recording holds activations of the size of the kernels' inputs and outputs; the per-token
 states exist for one block at a time in the callers' hands. Prompts only (no decode step): a
@@ -193,13 +193,19 @@ def states(fam: families.Family, blk: BlockRecord) -> torch.Tensor:
     return kernels.per_token(fam, blk.query, blk.key, blk.value, blk.g, blk.beta, blk.initial, blk.l2)[1]
 
 
-def state_at(fam: families.Family, blk: BlockRecord, t: int) -> torch.Tensor:
-    """The block's state after token t, `[b, h, dk, dv]` float32: the delta rule over tokens 0..t only."""
+def states_at(fam: families.Family, blk: BlockRecord, ts: Iterable[int]) -> dict[int, torch.Tensor]:
+    """The block's state after each token t of `ts`, `[b, h, dk, dv]` float32, without the others: the
+    delta rule up to the first, then from each to the next (one pass over tokens 0..max(ts))."""
     assert blk.query is not None and blk.key is not None and blk.value is not None
     assert blk.g is not None and blk.beta is not None
-    cut = slice(None, t + 1)
-    return kernels.per_token(fam, blk.query[:, cut], blk.key[:, cut], blk.value[:, cut], blk.g[:, cut],
-                             blk.beta[:, cut], blk.initial, blk.l2, final_state=True)[1]
+    out: dict[int, torch.Tensor] = {}
+    state, done = blk.initial, 0
+    for t in sorted(set(ts)):
+        cut = slice(done, t + 1)
+        state = kernels.per_token(fam, blk.query[:, cut], blk.key[:, cut], blk.value[:, cut], blk.g[:, cut],
+                                  blk.beta[:, cut], state, blk.l2, final_state=True)[1]
+        out[t], done = state, t + 1
+    return out
 
 
 def windows(blk: BlockRecord) -> torch.Tensor:

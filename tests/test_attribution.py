@@ -82,6 +82,24 @@ def test_gradients_equal_finite_differences_of_exact_patches(family: str) -> Non
     assert checked >= 4  # the directional derivatives compared are not all ~0
 
 
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_states_at_a_few_tokens_are_the_caches(family: str) -> None:
+    """`gradients.states_at`, each state continuing from the one before, is the state transformers' cache
+    holds after that token."""
+    torch.manual_seed(2)
+    hf, ref = _hf(family), Reference(_hf(family))
+    fam = families.for_config(hf.config)
+    ids = torch.randint(3, 250, (1, 12))
+    rec = gradients.record(hf, fam, ref.linear, lambda i: getattr(hf.model.layers[i], fam.mixer_attr),
+                           lambda: hf(ids, use_cache=False).logits)
+    base = ref.run(ids)
+    for layer in ref.linear:
+        got = gradients.states_at(fam, rec.blocks[layer], [9, 2, 5, 11])
+        assert sorted(got) == [2, 5, 9, 11]
+        for t, state in got.items():
+            torch.testing.assert_close(state, base.steps[0].states[layer][t].float(), atol=1e-5, rtol=1e-4)
+
+
 def test_state_gradients_are_the_scan_state_dots_sums() -> None:
     hf = _hf("kimi_linear")
     fam = families.for_config(hf.config)

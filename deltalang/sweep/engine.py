@@ -30,8 +30,7 @@ from ..compiled import Experiment
 from .errors import Unsupported
 from .job import Cell, ResultRow, SweepJob, added_result_name, measure_label, start_of
 from .memory import chunks, waves
-from .recompute import (Capture, Patch, Row, RowsOut, capture_clean, device_of, dtype_of, prefix_reads,
-                        run_rows)
+from .recompute import Capture, Patch, Row, RowsOut, device_of, dtype_of, prefix_reads, run_rows
 from .support import dependencies, referenced_runs, subprogram
 
 if TYPE_CHECKING:
@@ -45,7 +44,7 @@ class Context:
     exp: Experiment
     support: dict[str, Any]
     emit: Callable[[SweepJob, dict[int, list[ResultRow]], dict[str, Any]], None]
-    capture: Callable[..., Capture] = capture_clean  # (model, text, first block, reads) -> the clean capture
+    capture: Callable[..., Capture]  # (model, text, first block, reads) -> the clean capture (`capture_clean`)
 
 
 # A forward's fixed cost (reading every weight, launching every kernel) in rows x positions of work. On a

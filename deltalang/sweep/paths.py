@@ -186,12 +186,15 @@ def with_values(model: DeltaModel, capture: Capture, clean: gradients.Recording,
     got: dict[tuple[str, int, int | None], torch.Tensor] = {}
     for i, asked in reads.items():
         blk = clean.blocks[i]
+        at = {p: capture.seq_len - 1 if p is None else p for value, p in asked if value != "conv_window_after"}
+        states = gradients.states_at(model.family, blk, at.values())
+        wins = gradients.windows(blk) if any(value == "conv_window_after" for value, _ in asked) else None
         for value, p in asked:
             if value == "conv_window_after":
-                assert p is not None
-                got[(value, i, p)] = gradients.windows(blk)[:, p].to(dtype_of(model, value))
+                assert wins is not None and p is not None
+                got[(value, i, p)] = wins[:, p].to(dtype_of(model, value))
             else:
-                got[(value, i, p)] = gradients.state_at(model.family, blk, capture.seq_len - 1 if p is None else p)
+                got[(value, i, p)] = states[at[p]]
     return attrs.evolve(capture, values=got)
 
 
