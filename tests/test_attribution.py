@@ -47,14 +47,21 @@ def _hf(family: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family)).eval()
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_gradients_equal_finite_differences_of_exact_patches(family: str) -> None:
-    torch.manual_seed(1)
+def _recorded(family: str, seed: int) -> tuple[Reference, families.Family, torch.Tensor, gradients.Recording]:
+    """A random 12-token prompt's forward of the family's tiny checkpoint, every DeltaNet block recorded (with a
+    graph), and plain transformers on a copy of the model."""
+    torch.manual_seed(seed)
     hf, ref = _hf(family), Reference(_hf(family))
     fam = families.for_config(hf.config)
     ids = torch.randint(3, 250, (1, 12))
     rec = gradients.record(hf, fam, ref.linear, lambda i: getattr(hf.model.layers[i], fam.mixer_attr),
                            lambda: hf(ids, use_cache=False).logits)
+    return ref, fam, ids, rec
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_gradients_equal_finite_differences_of_exact_patches(family: str) -> None:
+    ref, fam, ids, rec = _recorded(family, 1)
     rec.backward(rec.result[0, -1, A] - rec.result[0, -1, B])
     base = ref.run(ids)
     checked = 0
@@ -86,12 +93,7 @@ def test_gradients_equal_finite_differences_of_exact_patches(family: str) -> Non
 def test_states_at_a_few_tokens_are_the_caches(family: str) -> None:
     """`gradients.states_at`, each state continuing from the one before, is the state transformers' cache
     holds after that token."""
-    torch.manual_seed(2)
-    hf, ref = _hf(family), Reference(_hf(family))
-    fam = families.for_config(hf.config)
-    ids = torch.randint(3, 250, (1, 12))
-    rec = gradients.record(hf, fam, ref.linear, lambda i: getattr(hf.model.layers[i], fam.mixer_attr),
-                           lambda: hf(ids, use_cache=False).logits)
+    ref, fam, ids, rec = _recorded(family, 2)
     base = ref.run(ids)
     for layer in ref.linear:
         got = gradients.states_at(fam, rec.blocks[layer], [9, 2, 5, 11])
