@@ -169,6 +169,8 @@ def format_plan(plan: Plan) -> str:
         longest = max(r.n_tokens for r in p.runs)
         padded = f", left-padded to {longest} tokens" if p.padded else ""
         lines.append(f"pass {p.index}: one {what}, {len(p.runs)} invoke(s){route}{padded}")
+        if p.apart:
+            lines.append(f"  ({p.apart})")
         for r in p.runs:
             extra = f", max_new_tokens {r.max_new_tokens}" if r.kind == "generate" else ""
             if r.sampling is not None:

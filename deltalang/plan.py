@@ -11,7 +11,9 @@ The planner makes three decisions, each a small function below:
    need nothing of each other.
 3. `batch_stage` — the traces of a stage with the same kernel route and the
    same number of tokens share one forward (one nnsight invoke each); each
-   generate gets its own.
+   generate gets its own. On a model whose left-padded forward transformers
+   cannot run (`batches.padding_refused`) only runs of one length share one,
+   and the pass says why (`Pass.apart`, printed by `emit --plan`).
 
 Batching never changes a result. Traces of one stage share a forward whatever
 their lengths: the shorter runs are left-padded, as transformers pads a batch,
@@ -48,7 +50,7 @@ import networkx as nx
 
 from . import values
 from .ast import quote as ast_quote
-from .batches import BATCH_TOKENS, batch_stage  # noqa: F401 - re-exported: one forward's runs
+from .batches import BATCH_TOKENS, batch_stage, padding_refused  # noqa: F401 - re-exported: one forward's runs
 from .errors import DeltaPlanError, Span
 from .ir import (FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, logits_kept,
                  op_result_name, operand_ops, with_donors)
@@ -119,6 +121,7 @@ class Pass:
     runs: tuple[RunPlan, ...]
     route: str | None = None
     then: tuple["Combine", ...] = ()  # values computed once this pass is done
+    apart: str = ""  # why runs of other lengths of its stage run in forwards of their own (`padding_refused`)
 
     @property
     def padded(self) -> bool:
@@ -463,9 +466,13 @@ def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:
     plans, edges, combines, measures, inputs = collect_runs(resolved)
     source_order = [r.name for r in resolved.runs]
     passes: list[Pass] = []
+    refused = padding_refused(resolved.spec)
     for stage in order_runs(plans, edges, source_order):
-        for group in batch_stage([plans[n] for n in stage], batch):
-            passes.append(Pass(len(passes) + 1, group[0].kind, tuple(group), group[0].route))
+        lengths = {plans[n].n_tokens for n in stage if plans[n].kind == "trace"}
+        apart = refused if refused is not None and batch and len(lengths) > 1 else ""
+        for group in batch_stage([plans[n] for n in stage], batch, pad=refused is None):
+            passes.append(Pass(len(passes) + 1, group[0].kind, tuple(group), group[0].route,
+                               apart=apart if group[0].kind == "trace" else ""))
     # a mean is taken as soon as the last of its inputs is read
     produced = {op.key: i for i, p in enumerate(passes) for r in p.runs for op in r.ops if op.key}
     for c in combines:
