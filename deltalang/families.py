@@ -1,23 +1,82 @@
-"""The five hybrid families deltalang knows, and where each keeps its DeltaNet parts.
+"""The hybrid families deltalang serves, recognised from the code transformers ships.
 
-One `Family` per transformers modeling module. Everything the rest of the
-package needs to know about a family's code lives here: the mixer class, the
-attribute the mixer sits under on its block, the kernel globals it calls, and
-how to read its head counts and dimensions off a config.
+A family is a transformers modeling module whose mixer calls a kernel global that
+transformers wraps under a hub-kernel name of a known *mechanism* (`MECHANISMS`:
+the gated delta rule, KDA). `analyse(path, module_name)` reads one modeling file
+(text and syntax tree only, nothing imported) and returns its `Family` or None:
+the four kernel globals from their decorators, the mixer class from the call in
+its `forward`, the attribute a block holds it under from the block's `__init__`,
+the model types from the configuration file beside it. `all_families()` does
+that for every module of the installed transformers; `for_config(config)` finds
+the family of a config (its own model type, a composite's text config, or a
+model class registered with transformers' Auto classes). What the code cannot
+say lives in one declarative `Adapter` per family (`ADAPTERS`); dims come from
+the config's fields named by the mechanism.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import importlib.util
+import inspect
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import attrs
+
+# layer types whose blocks hold a recurrent mixer (a `linear_attention` block of a family that is not a
+# delta rule, granitemoehybrid's Mamba-2, is never analysed as one: its module calls no delta-rule kernel)
+LINEAR_LAYER_TYPES = ("linear_attention",)
+
+
+def _gdn_dims(config: Any) -> dict[str, int]:
+    heads, key_heads = config.linear_num_value_heads, config.linear_num_key_heads
+    kd, vd = config.linear_key_head_dim, config.linear_value_head_dim
+    return {"heads": heads, "key_heads": key_heads, "key_dim": kd, "value_dim": vd,
+            "conv_width": config.linear_conv_kernel_dim, "conv_dim": 2 * key_heads * kd + heads * vd}
+
+
+def _kda_dims(config: Any) -> dict[str, int]:
+    heads, d = config.linear_num_heads, config.linear_head_dim
+    return {"heads": heads, "key_heads": heads, "key_dim": d, "value_dim": d,
+            "conv_width": config.linear_conv_kernel_dim, "conv_dim": 3 * heads * d}
+
+
+@attrs.frozen
+class Mechanism:
+    """A kind of recurrent mixer: the hub-kernel names transformers wraps its kernels under."""
+
+    name: str
+    chunk_hub: str  # the prompt kernel's hub name
+    recurrent_hub: str  # the one-token decode kernel's hub name
+    per_channel_decay: bool  # decay per key channel `[b, s, h, dk]` (else per head `[b, s, h]`)
+    dims: Callable[[Any], dict[str, int]]  # heads, key_heads, key_dim, value_dim, conv_width, conv_dim
+
+
+MECHANISMS: tuple[Mechanism, ...] = (
+    Mechanism("gated_delta_rule", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", False, _gdn_dims),
+    Mechanism("kda", "chunk_kda", "fused_recurrent_kda", True, _kda_dims),
+)
+CONV_HUB, CONV_UPDATE_HUB = "causal_conv1d_fn", "causal_conv1d_update"
+
+
+@attrs.frozen
+class Adapter:
+    """What a family's code does not say by itself (declarative; one per family at most)."""
+
+    dims: dict[str, str] = attrs.field(factory=dict)  # dim name -> the config field holding it, where it differs
+
+
+# No family of transformers 5.24 needs one: every dim is read from the mechanism's fields.
+ADAPTERS: dict[str, Adapter] = {}
 
 
 @attrs.frozen
 class Family:
-    """A gated-DeltaNet family: one transformers modeling module."""
+    """A family: one transformers modeling module whose mixer runs a known mechanism."""
 
     name: str
     module_name: str
@@ -28,7 +87,11 @@ class Family:
     recurrent_kernel: str
     conv_fn: str = "causal_conv1d_fn"
     conv_update: str = "causal_conv1d_update"
-    per_channel_decay: bool = False
+    mechanism: str = "gated_delta_rule"
+
+    @property
+    def per_channel_decay(self) -> bool:
+        return mechanism(self.mechanism).per_channel_decay
 
     @property
     def module(self) -> ModuleType:
@@ -44,89 +107,266 @@ class Family:
         return index < len(kinds) and kinds[index] in LINEAR_LAYER_TYPES
 
     def dims(self, config: Any) -> dict[str, int]:
-        """Value heads, key_dim, value_dim, key heads and conv width of the mixer."""
-        if self.name == "kimi_linear":
-            heads = config.linear_num_heads
-            return {
-                "heads": heads,
-                "key_heads": heads,
-                "key_dim": config.linear_head_dim,
-                "value_dim": config.linear_head_dim,
-                "conv_width": config.linear_conv_kernel_dim,
-                "conv_dim": 3 * heads * config.linear_head_dim,
-            }
-        heads = config.linear_num_value_heads
-        key_heads = config.linear_num_key_heads
-        kd, vd = config.linear_key_head_dim, config.linear_value_head_dim
-        return {
-            "heads": heads,
-            "key_heads": key_heads,
-            "key_dim": kd,
-            "value_dim": vd,
-            "conv_width": config.linear_conv_kernel_dim,
-            "conv_dim": 2 * key_heads * kd + heads * vd,
-        }
+        """Value heads, key_dim, value_dim, key heads and conv width of the mixer, from the config."""
+        adapter = ADAPTERS.get(self.name, Adapter())
+        if adapter.dims:
+            config = _Renamed(config, adapter.dims)
+        try:
+            return mechanism(self.mechanism).dims(config)
+        except AttributeError as e:
+            raise UnservedFamily(f"{self.name}: its config has no {e.name!r} field "
+                                 f"(a {self.mechanism} mixer's dims are read from it)") from None
 
     def __repr__(self) -> str:
         return f"<deltalang family {self.name} ({self.module_name})>"
 
 
-LINEAR_LAYER_TYPES = ("linear_attention",)
+class UnservedFamily(ValueError):
+    """A module with DeltaNet-like layers deltalang cannot serve; the message says what is missing."""
 
-_M = "transformers.models"
-qwen3_5 = Family(
-    "qwen3_5", f"{_M}.qwen3_5.modeling_qwen3_5", ("qwen3_5", "qwen3_5_text"),
-    "Qwen3_5GatedDeltaNet", "linear_attn",
-    "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-)
-qwen3_5_moe = Family(
-    "qwen3_5_moe", f"{_M}.qwen3_5_moe.modeling_qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"),
-    "Qwen3_5MoeGatedDeltaNet", "linear_attn",
-    "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-)
-qwen3_next = Family(
-    "qwen3_next", f"{_M}.qwen3_next.modeling_qwen3_next", ("qwen3_next",),
-    "Qwen3NextGatedDeltaNet", "linear_attn",
-    "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-)
-olmo_hybrid = Family(
-    "olmo_hybrid", f"{_M}.olmo_hybrid.modeling_olmo_hybrid", ("olmo_hybrid",),
-    "OlmoHybridGatedDeltaNet", "linear_attn",
-    "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-)
-kimi_linear = Family(
-    "kimi_linear", f"{_M}.kimi_linear.modeling_kimi_linear", ("kimi_linear",),
-    "KimiLinearDeltaAttention", "self_attn",
-    "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
-    per_channel_decay=True,
-)
-# aliases the recipes use
-qwen3_5_text = qwen3_5
 
-ALL: tuple[Family, ...] = (qwen3_5, qwen3_5_moe, qwen3_next, olmo_hybrid, kimi_linear)
+class _Renamed:
+    """A config seen through an adapter's field names."""
+
+    def __init__(self, config: Any, names: dict[str, str]) -> None:
+        self._config, self._names = config, names
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, self._names.get(name, name))
+
+
+def mechanism(name: str) -> Mechanism:
+    return next(m for m in MECHANISMS if m.name == name)
+
+
+# --------------------------------------------------------------------------
+# Reading a modeling module's code.
+# --------------------------------------------------------------------------
+
+
+def _hub_names(tree: ast.Module) -> dict[str, str]:
+    """hub-kernel name -> the module-level function transformers wraps under it."""
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for dec in node.decorator_list:
+            if (isinstance(dec, ast.Call) and _name(dec.func) == "use_kernel_func_from_hub_with_fallback"
+                    and dec.args and isinstance(dec.args[0], ast.Constant) and isinstance(dec.args[0].value, str)):
+                out[dec.args[0].value] = node.name
+    return out
+
+
+def _name(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def _calls(node: ast.AST) -> set[str]:
+    return {_name(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
+
+
+def _mixer_class(tree: ast.Module, kernel: str) -> str | None:
+    """The class whose `forward` calls `kernel`."""
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "forward" and kernel in _calls(item):
+                    return node.name
+    return None
+
+
+def _mixer_attr(tree: ast.Module, mixer: str) -> str | None:
+    """The attribute a block's `__init__` assigns a `mixer` instance to (`self.linear_attn = ...`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            for stmt in ast.walk(node):
+                if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                        and isinstance(stmt.targets[0], ast.Attribute)
+                        and _name(stmt.targets[0].value) == "self" and mixer in _calls(stmt.value)):
+                    return stmt.targets[0].attr
+    return None
+
+
+def _model_types(config_path: Path) -> tuple[str, ...]:
+    """Every `model_type = "..."` of a configuration file's classes (the composite's and its text config's)."""
+    if not config_path.exists():
+        return ()
+    out = []
+    for node in ast.walk(ast.parse(config_path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+                    target: ast.AST = stmt.targets[0]
+                elif isinstance(stmt, ast.AnnAssign):
+                    target = stmt.target
+                else:
+                    continue
+                value = stmt.value
+                if _name(target) == "model_type" and isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    out.append(value.value)
+    return tuple(dict.fromkeys(out))
+
+
+def _quick_match(text: str) -> bool:
+    return any(f'"{m.chunk_hub}"' in text for m in MECHANISMS)
+
+
+def analyse(path: str | Path, module_name: str, name: str | None = None,
+            model_types: tuple[str, ...] | None = None) -> Family | None:
+    """The family of one modeling file, None if no mixer of a known mechanism is in it.
+
+    Raises `UnservedFamily` for a module that wraps a mechanism's kernel but whose code does not show
+    what deltalang needs (the mixer class, the attribute it sits under, the decode or conv kernels).
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if not _quick_match(text):
+        return None
+    tree = ast.parse(text)
+    hubs = _hub_names(tree)
+    mech = next((m for m in MECHANISMS if m.chunk_hub in hubs), None)
+    if mech is None:
+        return None
+    name = name or path.parent.name
+    missing = [h for h in (mech.recurrent_hub, CONV_HUB, CONV_UPDATE_HUB) if h not in hubs]
+    if missing:
+        raise UnservedFamily(f"{name}: its {mech.name} mixer has no kernel wrapped as {', '.join(missing)}")
+    chunk = hubs[mech.chunk_hub]
+    mixer = _mixer_class(tree, chunk)
+    if mixer is None:
+        raise UnservedFamily(f"{name}: no class of {path.name} calls {chunk} in its forward")
+    attr = _mixer_attr(tree, mixer)
+    if attr is None:
+        raise UnservedFamily(f"{name}: no block of {path.name} holds a {mixer} as an attribute")
+    if model_types is None:
+        model_types = _model_types(path.with_name(path.name.replace("modeling_", "configuration_", 1)))
+    return Family(name, module_name, model_types or (name,), mixer, attr, chunk, hubs[mech.recurrent_hub],
+                  hubs[CONV_HUB], hubs[CONV_UPDATE_HUB], mech.name)
+
+
+def _models_root() -> Path | None:
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "models"
+
+
+@functools.cache
+def _analyse_tree(directory: str) -> tuple[tuple[Family, ...], tuple[str, ...]]:
+    """(the families of every modeling module under transformers/models, why each unserved one is not)."""
+    root = _models_root()
+    found: list[Family] = []
+    unserved: list[str] = []
+    if root is None:
+        return (), ()
+    for path in sorted(root.glob(f"{directory}/modeling_*.py")):
+        module_name = f"transformers.models.{path.parent.name}.{path.stem}"
+        try:
+            fam = analyse(path, module_name)
+        except (UnservedFamily, SyntaxError, OSError, UnicodeDecodeError) as e:
+            unserved.append(str(e))
+            continue
+        if fam is not None:
+            found.append(fam)
+    return tuple(found), tuple(unserved)
+
+
+def all_families() -> tuple[Family, ...]:
+    """Every family of the installed transformers (read from its code once per process)."""
+    return _analyse_tree("*")[0]
+
+
+def unserved() -> tuple[str, ...]:
+    """Why each module that wraps a mechanism's kernel cannot be served (one line each)."""
+    return _analyse_tree("*")[1]
+
+
+def _in_tree(model_type: str) -> Family | None:
+    """The family whose module serves `model_type`, reading that module only."""
+    try:
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+        directory = model_type_to_module_name(model_type)
+    except Exception:  # an older transformers without the helper: read them all
+        directory = "*"
+    if not directory.replace("_", "").isalnum() and directory != "*":
+        return None
+    found, problems = _analyse_tree(directory)
+    for fam in found:
+        if model_type in fam.model_types:
+            return fam
+    if problems and directory != "*":
+        raise UnservedFamily(problems[0])
+    return None
+
+
+_REGISTERED: dict[str, Family] = {}
+
+
+def _registered(config: Any) -> Family | None:
+    """The family of a model class registered with transformers' Auto classes outside its tree."""
+    key = getattr(config, "model_type", None)
+    if key in _REGISTERED:
+        return _REGISTERED[key]
+    try:
+        from transformers import AutoModelForCausalLM
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:  # not registered for a causal LM (or an older mapping API)
+        return None
+    module = inspect.getmodule(cls)
+    path = getattr(module, "__file__", None)
+    if module is None or path is None:
+        return None
+    fam = analyse(path, module.__name__, name=str(key), model_types=(str(key),))
+    if fam is not None:
+        _REGISTERED[str(key)] = fam
+    return fam
+
+
+def for_config(config: Any) -> Family | None:
+    """The family of a config (a text config or a composite one), or None.
+
+    Raises `UnservedFamily` when the config's modeling module wraps a mechanism's kernel that deltalang
+    cannot serve (the message says what is missing)."""
+    seen = []
+    c = config
+    while c is not None and all(c is not s for s in seen):
+        seen.append(c)
+        model_type = getattr(c, "model_type", None)
+        if isinstance(model_type, str) and model_type:
+            fam = _in_tree(model_type) or _registered(c)
+            if fam is not None:
+                return fam
+        c = getattr(c, "text_config", None)
+    return None
+
+
+def auto_class(config: Any) -> Any:
+    """The transformers Auto class that builds a model of `config`: a causal LM where transformers has one
+    for it, else an image-text-to-text model (glm5_next: no text-only class), whose text stack serves."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            if type(config) in auto._model_mapping:
+                return auto
+        except Exception:  # a mapping that cannot import one of its classes
+            continue
+    return AutoModelForCausalLM
 
 
 def by_name(name: str) -> Family:
-    for fam in ALL:
+    for fam in (*all_families(), *_REGISTERED.values()):
         if name == fam.name or name in fam.model_types:
             return fam
     raise KeyError(name)
 
 
-def for_config(config: Any) -> Family | None:
-    """The family of a config (a text config or a composite one), or None."""
-    model_type = getattr(config, "model_type", None)
-    text = getattr(config, "text_config", None)
-    for fam in ALL:
-        if model_type in fam.model_types:
-            return fam
-    if text is not None and text is not config:
-        return for_config(text)
-    return None
-
-
 def supported_names() -> str:
-    return ", ".join(f.name for f in ALL)
+    return ", ".join(f.name for f in all_families())
 
 
 def resolve(family: Family | ModuleType | str) -> Family:
@@ -134,9 +374,24 @@ def resolve(family: Family | ModuleType | str) -> Family:
     if isinstance(family, Family):
         return family
     if isinstance(family, str):
-        return by_name(family)
+        try:
+            return by_name(family)
+        except KeyError:
+            pass
     if isinstance(family, ModuleType):
-        for fam in ALL:
+        for fam in (*all_families(), *_REGISTERED.values()):
             if family.__name__ == fam.module_name:
                 return fam
     raise ValueError(f"not a deltalang family: {family!r}; supported: {supported_names()}")
+
+
+def __getattr__(name: str) -> Any:
+    """`families.qwen3_5`, `families.kimi_linear`, ... (and `families.ALL`): looked up in the code found."""
+    if name == "ALL":
+        return all_families()
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        return by_name(name)
+    except KeyError:
+        raise AttributeError(f"module 'deltalang.families' has no attribute {name!r}") from None

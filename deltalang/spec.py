@@ -63,8 +63,13 @@ class ModelSpec:
         return list(self.tokenizer(text)["input_ids"])
 
 
+def _is_bundled(name_or_path: str | Path | None) -> bool:
+    """None, or the bundled model's own name (what deltalang prints), unless a directory has that name."""
+    return name_or_path is None or (str(name_or_path) == bundled.NAME and not Path(name_or_path).exists())
+
+
 def _resolve_path(name_or_path: str | Path | None) -> str:
-    if name_or_path is None:
+    if _is_bundled(name_or_path):
         if not (bundled.PATH / "config.json").exists():
             raise DeltaModelError(
                 f"the bundled model is missing from {bundled.PATH}; reinstall deltalang or run "
@@ -126,7 +131,10 @@ def text_config(config: Any) -> Any:
 
 
 def spec_from_config(model_id: str, config: Any, tokenizer: Any) -> ModelSpec:
-    fam = families.for_config(config)
+    try:
+        fam = families.for_config(config)
+    except families.UnservedFamily as e:
+        raise DeltaModelError(f"model {model_id!r} has DeltaNet-like layers deltalang cannot serve: {e}") from None
     if fam is None:
         raise DeltaModelError(
             f"model {model_id!r} is a {getattr(config, 'model_type', '?')!r} model, not a supported hybrid; "
@@ -135,7 +143,11 @@ def spec_from_config(model_id: str, config: Any, tokenizer: Any) -> ModelSpec:
     layer_types = tuple(getattr(tc, "layer_types", None) or ())
     if not layer_types:
         raise DeltaModelError(f"model {model_id!r} has no layer_types in its config")
-    return ModelSpec(model_id, fam, layer_types, fam.dims(tc), tokenizer, config)
+    try:
+        dims = fam.dims(tc)
+    except families.UnservedFamily as e:
+        raise DeltaModelError(f"model {model_id!r} has DeltaNet-like layers deltalang cannot serve: {e}") from None
+    return ModelSpec(model_id, fam, layer_types, dims, tokenizer, config)
 
 
 def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
@@ -159,4 +171,4 @@ def load_spec(name_or_path: str | Path | None = None, trust_remote_code: bool = 
 
 
 def _display_id(name_or_path: str | Path | None, where: str) -> str:
-    return bundled.NAME if name_or_path is None else where
+    return bundled.NAME if _is_bundled(name_or_path) else where

@@ -12,10 +12,18 @@ from typing import Any
 
 import torch
 
-FAMILY_NAMES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear")
-
 # 4 blocks: three DeltaNet, then attention, as the real checkpoints lay them out
 LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def _family_names() -> tuple[str, ...]:
+    from . import families
+
+    return tuple(f.name for f in families.all_families())
+
+
+# every family deltalang recognises in the installed transformers: the conformance tests run on each
+FAMILY_NAMES: tuple[str, ...] = _family_names()
 
 
 def byte_tokenizer() -> Any:
@@ -36,9 +44,10 @@ def byte_tokenizer() -> Any:
 
 
 def tiny_config(family: str, vocab_size: int = 259) -> Any:
-    """A small config of `family` with three DeltaNet blocks and one attention block."""
-    import transformers as tf
+    """A small config of `family` with three DeltaNet blocks and one attention block.
 
+    A family with no recipe below gets its config class with the shared small fields and the
+    mechanism's (`_generic`): a new family of transformers is tried as it is."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     common: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -47,46 +56,127 @@ def tiny_config(family: str, vocab_size: int = 259) -> Any:
     )
     linear = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
                   linear_num_key_heads=2, linear_num_value_heads=4)
-    if family == "qwen3_5":
-        cfg = tf.Qwen3_5TextConfig(intermediate_size=128, rope_parameters=rope, **common, **linear)
-        cfg.architectures = ["Qwen3_5ForCausalLM"]
-    elif family == "qwen3_5_moe":
-        cfg = tf.Qwen3_5MoeTextConfig(
-            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-            num_experts_per_tok=2, rope_parameters=rope, **common, **linear)
-        cfg.architectures = ["Qwen3_5MoeForCausalLM"]
-    elif family == "qwen3_next":
-        cfg = tf.Qwen3NextConfig(
-            intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, rope_parameters=rope,
-            **common, **linear)
-        cfg.architectures = ["Qwen3NextForCausalLM"]
-    elif family == "olmo_hybrid":
-        common.pop("head_dim")
-        cfg = tf.OlmoHybridConfig(intermediate_size=128, rope_parameters=rope, **common, **linear)
-        cfg.architectures = ["OlmoHybridForCausalLM"]
-    elif family == "kimi_linear":
-        common.pop("head_dim")
-        common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one kv head per head
-        cfg = tf.KimiLinearConfig(
-            intermediate_size=128, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-            n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
-            qk_nope_head_dim=8, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
-            **common)
-        cfg.architectures = ["KimiLinearForCausalLM"]
-    else:
-        raise ValueError(f"unknown family {family!r}; one of {', '.join(FAMILY_NAMES)}")
+    kda = dict(linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4)
+    moe = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    recipe = _RECIPES.get(family, _generic)
+    cfg = recipe(family, common, linear, kda, moe, rope)
     return cfg
+
+
+def _config_class(family: str) -> Any:
+    """The config class of `family`'s text model (the one with `layer_types`)."""
+    from transformers import CONFIG_MAPPING
+
+    from . import families
+
+    fam = families.by_name(family)
+    classes = [CONFIG_MAPPING[t] for t in fam.model_types if t in CONFIG_MAPPING]
+    text = [c for c in classes if "layer_types" in getattr(c, "__annotations__", {})]
+    if not (text or classes):
+        raise ValueError(f"no config class for family {family!r}")
+    return (text or classes)[0]
+
+
+def _generic(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    from . import families
+
+    fields = kda if families.by_name(family).per_channel_decay else linear
+    return _config_class(family)(intermediate_size=128, rope_parameters=rope, **common, **fields)
+
+
+def _qwen3_5(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    return _config_class(family)(intermediate_size=128, rope_parameters=rope, **common, **linear)
+
+
+def _qwen_moe(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    extra = dict(intermediate_size=128, decoder_sparse_step=1) if family == "qwen3_next" else {}
+    return _config_class(family)(rope_parameters=rope, **extra, **moe, **common, **linear)
+
+
+def _olmo_hybrid(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    common.pop("head_dim")
+    return _config_class(family)(intermediate_size=128, rope_parameters=rope, **common, **linear)
+
+
+def _kimi_linear(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    common.pop("head_dim")
+    common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one kv head per head
+    return _config_class(family)(
+        intermediate_size=128, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+        qk_nope_head_dim=8, **kda, **common)
+
+
+def _lara_mini(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    # its attention blocks come in two kinds: sliding (RoPE) and full (none)
+    common["layer_types"] = [*LAYER_TYPES[:3], "sliding_attention", "full_attention"]
+    common["num_hidden_layers"] = 5
+    return _config_class(family)(rope_parameters=rope, sliding_window=8, **moe, **common, **linear)
+
+
+def _qwen4_exp(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    # indexed attention blocks (every indexer field set), two residual streams, per-layer embeddings on
+    # blocks 0 and 2 (their cache layers then keep three conv states)
+    common["layer_types"] = [*LAYER_TYPES[:3], "indexed_attention"]
+    return _config_class(family)(
+        rope_parameters=rope, hc_count=2, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=32, ngram_size=3,
+        heads_per_ngram=2, ngram_vocab_size_base=1000, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=64, indexer_compress_ratio=4,
+        **moe, **common, **linear)
+
+
+def _glm5_next(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    # a composite (vision + text) config; its indexer keeps every token (index_topk past any prompt here)
+    from transformers import CONFIG_MAPPING
+
+    common.pop("head_dim")
+    common["num_key_value_heads"] = common["num_attention_heads"]
+    common["layer_types"] = [*LAYER_TYPES[:3], "indexed_attention"]
+    text = dict(
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0, v_head_dim=16,
+        qk_nope_head_dim=16, index_topk=256, index_head_dim=16, index_n_heads=2, index_kpool=16, hc_mult=2,
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"], **kda, **common)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
+    return CONFIG_MAPPING["glm5_next"](text_config=text, vision_config=vision, tie_word_embeddings=False)
+
+
+def _bailing_hybrid(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
+    # its linear heads are the attention heads, head_dim their dim, short_conv_kernel_size the width
+    common["head_dim"] = kda["linear_head_dim"]
+    common["num_key_value_heads"] = common["num_attention_heads"]
+    return _config_class(family)(
+        intermediate_size=128, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, short_conv_kernel_size=4,
+        **common)
+
+
+_RECIPES = {
+    "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen_moe, "qwen3_next": _qwen_moe, "olmo_hybrid": _olmo_hybrid,
+    "kimi_linear": _kimi_linear, "lara_mini": _lara_mini, "qwen4_exp": _qwen4_exp, "glm5_next": _glm5_next,
+    "bailing_hybrid": _bailing_hybrid,
+}
+
+
+def load_hf(path: str | Path, **kwargs: Any) -> Any:
+    """Plain transformers' model of a checkpoint, through the Auto class that builds its family."""
+    from transformers import AutoConfig
+
+    from . import families
+
+    config = AutoConfig.from_pretrained(path)
+    return families.auto_class(config).from_pretrained(path, **kwargs)
 
 
 def build_tiny(family: str, path: str | Path, seed: int = 0) -> Path:
     """Write a random-weight checkpoint of `family` to `path` and return the path."""
-    from transformers import AutoModelForCausalLM
+    from . import families
 
     path = Path(path)
     torch.manual_seed(seed)
     cfg = tiny_config(family)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = families.auto_class(cfg).from_config(cfg)
     model.eval()
     _enlarge_random_weights(model)
     model.save_pretrained(path)

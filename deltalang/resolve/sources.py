@@ -108,7 +108,7 @@ def load(scope: Scope, src: ast.LoadSource, t: Target, ctx: Ctx) -> Load:
 def value_shape(scope: Scope, value: str, n: int) -> tuple[int, ...] | None:
     """A value's shape without the batch axis, from the catalogue's and the model's dimensions."""
     info = values.CATALOGUE.get(value)
-    if info is None or "Kimi" in info.shape and scope.spec.family.name.startswith("kimi"):
+    if info is None or "Kimi" in info.shape and scope.spec.family.per_channel_decay:
         return None
     d = dict(scope.spec.dims, s=n, hidden=getattr(text_config(scope.spec.config), "hidden_size", 0))
     d["width-1"] = d.get("conv_width", 1) - 1
