@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import DeltaError, show_warnings_on_stderr
+from .options import check_options, claim_out, refuse_ignored, refuse_unused_prompt
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -40,12 +41,10 @@ if TYPE_CHECKING:
 
 DESCRIPTION = "deltalang: experiments on the recurrent memory of gated-DeltaNet blocks, compiled to nnsight."
 
-# what `--device` may name; availability is asked of torch
-DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
-
-
 def read_program(args: argparse.Namespace) -> tuple[str, str]:
-    """(text, filename) of the program: `-e TEXT`, a UTF-8 file, or '-' for standard input."""
+    """(text, filename) of the program: `-e TEXT`, a UTF-8 file, or '-' for standard input (read once)."""
+    if getattr(args, "program", None) is not None:
+        return args.program
     expr = getattr(args, "expr", None)
     file = getattr(args, "file", None)
     if expr is not None and file is not None:
@@ -74,40 +73,6 @@ def read_program(args: argparse.Namespace) -> tuple[str, str]:
         raise DeltaError(f"cannot read {file}: {getattr(e, 'strerror', None) or e}") from None
 
 
-def check_device(name: str) -> None:
-    """A DeltaError unless torch can put tensors on device `name` here (checked before a model loads)."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in DEVICE_TYPES:
-        raise DeltaError(f"--device {name!r} is not a device deltalang runs on: one of {', '.join(DEVICE_TYPES)}, "
-                         f"with an index if needed (cuda:1)")
-    try:
-        torch.empty(0, device=device)
-    except Exception as e:  # noqa: BLE001 - torch says "not compiled with CUDA" in several exception types
-        raise DeltaError(f"--device {name} is not available with this torch ({torch.__version__}): "
-                         f"{_first_line(e)}") from None
-
-
-def check_options(args: argparse.Namespace) -> None:
-    """The options that would fail only after a model loaded or ran, checked first."""
-    if getattr(args, "prompt", None) == "":
-        raise DeltaError("--prompt is empty: a run needs at least one token; give the prompt's text")
-    if getattr(args, "remote", None) is not None:
-        from .run import REMOTE_REFUSAL
-
-        raise DeltaError(REMOTE_REFUSAL)
-    if getattr(args, "device", None) is not None and getattr(args, "device_map", None) is None:
-        check_device(args.device)
-    if getattr(args, "out", None) is not None:
-        from .results import check_out_dir
-
-        check_out_dir(args.out)
-
-
 def _write_program_text(text: str) -> None:
     """Program text (`check`, `fmt`) on standard output: coloured on a terminal, plain when piped."""
     if sys.stdout.isatty():
@@ -131,9 +96,11 @@ def _experiment(args: argparse.Namespace, program: tuple[str, str] | None = None
     from .compiled import Experiment
 
     source, filename = program or read_program(args)
-    return Experiment.from_source(source, args.model, filename=filename, prompt=args.prompt, device=args.device,
-                                  dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                                  device_map=args.device_map)
+    exp = Experiment.from_source(source, args.model, filename=filename, prompt=args.prompt, device=args.device,
+                                 dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                                 device_map=args.device_map)
+    refuse_unused_prompt(exp.resolved, args.prompt)
+    return exp
 
 
 def info_main(args: argparse.Namespace) -> int:
@@ -164,6 +131,7 @@ def check_main(args: argparse.Namespace) -> int:
             resolved = check(text, getattr(args, "model", None), filename=filename,
                              prompt=getattr(args, "prompt", None),
                              trust_remote_code=getattr(args, "trust_remote_code", False))
+        refuse_unused_prompt(resolved, getattr(args, "prompt", None))
         try:  # what `run` would refuse while ordering the runs (a cycle, a step a run lacks)
             build_plan(resolved)
         except DeltaError as e:
@@ -191,6 +159,7 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     from . import ast
     from .dataset_run import load_datasets
     from .explain import format_resolved
+    from .measures import refuse_per_token
     from .parse import parse
     from .resolve import resolve_records
     from .spec import load_spec
@@ -203,6 +172,10 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     spec = load_spec(model, trust_remote_code=getattr(args, "trust_remote_code", False))
     ds, recs = resolve_records(program, load_datasets(text, filename, None), spec, source=text, filename=filename)
     first = next(r for r in recs if r.resolved is not None)
+    try:  # a record's row is one number a measure
+        refuse_per_token([m for run in first.resolved.runs for m in run.measures], "over a dataset")
+    except DeltaError as e:
+        raise e.located(text, filename) from None
     print(f"# record {first.record.index + 1} of '{ds.name}' ({ds.where(first.record)}), as its plain program:")
     _write_program_text(format_resolved(first.resolved))
     bad = [r for r in recs if r.error is not None]
@@ -258,6 +231,8 @@ def run_main(args: argparse.Namespace) -> int:
     exp = _experiment(args, (source, filename))
     if exp.has_sweeps:
         return sweep_main(args, exp)
+    if args.resume:
+        raise DeltaError("--resume continues a run over a dataset or a sweep; this program runs at once: drop it")
     t1 = time.perf_counter()
     results = exp.run()
     t2 = time.perf_counter()
@@ -304,6 +279,7 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
 
     from .sweep.dataset import FILES, run_dataset_sweep
 
+    refuse_ignored(args, bool(getattr(args, "attribution", False)))
     err = Console(stderr=True)
     out = run_dataset_sweep(source, model, filename=filename, datasets=datasets, strict=bool(getattr(args, "strict",
                             False)), normalise=getattr(args, "normalise", None), out=args.out,
@@ -340,6 +316,7 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     out = getattr(args, "out", None)
     how = method_of(exp, "attribution" if getattr(args, "attribution", False) else None, getattr(args, "steps", None),
                     getattr(args, "refine", None), getattr(args, "path", None))
+    refuse_ignored(args, how is not None, exp)
     if how is not None:  # method attribution (the program's or --attribution): estimates, the top cells exact
         got = attribute(exp, steps=how.steps, refine=how.refine, out=out, exact=run_sweeps, path=how.path)
         print(got.table(max(20, how.refine)))
@@ -413,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", help="write results.safetensors, results.json, program.dl and the code here: "
                                          "emitted.py, or a sweep's reference.py (with its sweep.csv, sweep.json "
                                          "and plots, as cells finish)")
+            p.add_argument("--replace", action="store_true",
+                           help="--out holds another program's results: delete them first (without it: refused)")
         if name in ("run", "sweep"):
             p.add_argument("--strict", action="store_true",
                            help="over a dataset: stop at a record that does not resolve (default: leave it out)")
@@ -465,6 +444,19 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError))
 
 
+def _command(args: argparse.Namespace, func: Callable[[argparse.Namespace], int]) -> int:
+    """The command, its options checked and its `--out` claimed; a run that fails leaves nothing that looks like
+    results there (`results.OutDir.failed`)."""
+    check_options(args)
+    claim = claim_out(args, read_program)
+    try:
+        return func(args)
+    except BaseException:
+        if claim is not None:
+            claim.failed()
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the one place that turns every exception into one line and an exit status."""
     parser = build_parser()
@@ -473,8 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     show_warnings_on_stderr()  # a program's warnings, rendered like its errors
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        check_options(args)
-        return func(args)
+        return _command(args, func)
     except DeltaError as e:
         print(e.render(), file=sys.stderr)
         return 1

@@ -38,6 +38,7 @@ from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_su
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
+from .measures import refuse_per_token
 from .model import DeltaModel
 from .parse import parse
 from .plan import BATCH_TOKENS
@@ -164,6 +165,7 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     if datasets is None:
         datasets = load_datasets(source, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
+    refuse_per_record_vectors(resolutions, source, filename)
     skipped = left_out(ds, resolutions, strict)
     columns = ["record", "line", *ds.fields, "measure", "value"]
     store = None
@@ -185,15 +187,13 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     n = sum(len(g) for g in todo)
     head = f"'{ds.name}': {n} record(s) to run in {len(todo)} forward group(s)" + (
         f", {len(resolutions) - len(skipped) - n} done before" if n < len(resolutions) - len(skipped) else "")
-    with RecordProgress(console, n, n, "records", head) as bar:
-        for group in todo:
-            per.update(_run_group(program, ds, group, source, model, filename, batch))
-            if store is not None:
-                for r in group:
-                    store.add(r.record.index, [{k: row.get(k, "") for k in columns} for row in per[r.record.index]])
-            bar.advance(len(group), len(group))
-            if on_group is not None:
-                on_group([r.record.index for r in group])
+    try:
+        _run_groups(todo, per, store, columns, RecordProgress(console, n, n, "records", head), on_group,
+                    lambda group: _run_group(program, ds, group, source, model, filename, batch))
+    except BaseException:
+        if store is not None:  # nothing that looks like results: no record done, nothing left
+            store.abandon()
+        raise
     rows = [row for i in sorted(per) for row in per[i]]
     labels = list(dict.fromkeys(row["measure"] for row in rows))
     stats = tuple(stats_of(lab, [row["value"] for row in rows if row["measure"] == lab]) for lab in labels)
@@ -202,6 +202,21 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
         result.save(out)
         store.finish()
     return result
+
+
+def _run_groups(todo: list[list[RecordResolution]], per: dict[int, list[dict[str, Any]]], store: RecordStore | None,
+                columns: list[str], progress: RecordProgress, on_group: Callable[[list[int]], None] | None,
+                run: Callable[[list[RecordResolution]], dict[int, list[dict[str, Any]]]]) -> None:
+    """Run each group of records, save its rows in `store` as it finishes, and show the progress."""
+    with progress as bar:
+        for group in todo:
+            per.update(run(group))
+            if store is not None:
+                for r in group:
+                    store.add(r.record.index, [{k: row.get(k, "") for k in columns} for row in per[r.record.index]])
+            bar.advance(len(group), len(group))
+            if on_group is not None:
+                on_group([r.record.index for r in group])
 
 
 def _run_group(program: ast.Program, ds: Dataset, group: list[RecordResolution], source: str, model: DeltaModel,
@@ -223,6 +238,17 @@ def _run_group(program: ast.Program, ds: Dataset, group: list[RecordResolution],
                                 "value": float(results[_renamed(m.result_name, run.name, k)])}
                                for run in r.resolved.runs for m in run.measures]
     return out
+
+
+def refuse_per_record_vectors(resolutions: list[RecordResolution], source: str, filename: str) -> None:
+    """A located error at a measure that gives a number per token (`norm(L4.states)`): a record's row is one number."""
+    for r in resolutions:
+        if r.resolved is not None:
+            try:
+                refuse_per_token([m for run in r.resolved.runs for m in run.measures], "over a dataset")
+            except DeltaError as e:
+                raise e.located(source, filename) from None
+            return
 
 
 def left_out(ds: Dataset, resolutions: list[RecordResolution], strict: bool) -> tuple[tuple[int, str], ...]:

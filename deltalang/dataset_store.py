@@ -1,18 +1,20 @@
 """A run over a dataset saved record by record: `RecordStore` (`--out DIR`, `--resume`) and `RecordProgress`.
 
     store = RecordStore(Path("out"), meta, columns, resume=False)
-    store.add(record_index, rows)            # appended to DIR/results.csv and synced, then marked done
+    store.add(record_index, rows)            # appended to DIR/results.partial.csv and synced, then marked done
     store.rows_of(i)                          # on --resume: the rows of a record done before
 
-Contract: `DIR/results.csv` (long format, `columns`) gets each record's rows as the
+Contract: `DIR/results.partial.csv` (long format, `columns`) gets each record's rows as the
 record finishes, written and synced before the record is marked done in
 `DIR/progress.json` (with the program's sha256, the model and the options that
 change values), so an interrupted run loses no finished record and `resume`
 continues the same run only: a record marked done is not rerun, its rows are read
 back (a torn last line is dropped). Without `resume`, a directory holding an
 unfinished run is an error (rerun with --resume or choose another --out). The
-caller writes the final files (the CSV again in record order) and then `finish()`
-marks the run complete. Values go through `repr(float)`, so read back they are
+caller writes the final files (`results.csv` in record order) and then `finish()`
+marks the run complete and removes the partial CSV: until then nothing in DIR is named like a result. A run
+that fails before any record is done calls `abandon()`, which removes what the store wrote (and DIR, if the
+store made it). Values go through `repr(float)`, so read back they are
 the same floats. Problems are DeltaErrors.
 
 `write_long_csv(path, columns, rows)` writes a finished run's `results.csv` in the same form and
@@ -41,18 +43,19 @@ if TYPE_CHECKING:
 
     from .datasets import Dataset
 
-CSV_NAME, META_NAME = "results.csv", "progress.json"
+CSV_NAME, META_NAME, PARTIAL_NAME = "results.csv", "progress.json", "results.partial.csv"
 
 
 class RecordStore:
-    """`DIR/results.csv` appended record by record, `DIR/progress.json` saying which records are done."""
+    """`DIR/results.partial.csv` appended record by record, `DIR/progress.json` saying which records are done."""
 
     def __init__(self, directory: Path, meta: Mapping[str, Any], columns: Sequence[str], resume: bool) -> None:
         self.dir = directory
-        self.csv = directory / CSV_NAME
+        self.csv = directory / PARTIAL_NAME
         self.meta_path = directory / META_NAME
         self.columns = list(columns)
         self.rows: dict[int, list[dict[str, str]]] = {}
+        self.made_dir = not directory.exists()
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -94,9 +97,10 @@ class RecordStore:
                                  f"{meta.get(key)!r}): --resume continues the same run only")
 
     def _load(self, done: set[int]) -> None:
-        if not self.csv.exists():
+        path = self.csv if self.csv.exists() else self.dir / CSV_NAME  # a run saved before the partial name
+        if not path.exists():
             return
-        text = self.csv.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
         if not text.endswith("\n"):
             text = text[: text.rfind("\n") + 1]  # a torn last line
         reader = csv.DictReader(io.StringIO(text, newline=""))
@@ -137,9 +141,23 @@ class RecordStore:
         self._write_meta()
 
     def finish(self) -> None:
-        """Mark the run complete (the caller has written its final files)."""
+        """Mark the run complete (the caller has written its final files) and remove the partial CSV."""
         self.meta["complete"] = True
         self._write_meta()
+        self.csv.unlink(missing_ok=True)
+
+    def abandon(self) -> None:
+        """After a failure: with no record done, remove what the store wrote (and DIR if it made it); with
+        records done, keep them for --resume (under names no result has)."""
+        if self.meta["done"]:
+            return
+        for path in (self.csv, self.meta_path):
+            path.unlink(missing_ok=True)
+        if self.made_dir:
+            try:
+                self.dir.rmdir()
+            except OSError:  # something else was put there meanwhile
+                pass
 
 
 def _as_text(row: Mapping[str, Any]) -> dict[str, str]:

@@ -94,6 +94,23 @@ def norm(x: torch.Tensor | None) -> float | torch.Tensor:
     return _scalar(x.flatten(1).norm(dim=-1))
 
 
+def per_token(kind: str, value: str | None, position: int | None) -> bool:
+    """Whether a measure gives a number per token rather than one number (`norm` of `states`)."""
+    return kind == "norm" and value == "states" and position is None
+
+
+def refuse_per_token(measures: Sequence[Any], where: str) -> None:
+    """A located DeltaValueError at the first measure (an `ir.ResolvedMeasure`) that gives a number per token
+    where `where` (say, "over a dataset") needs one number a run."""
+    for m in measures:
+        if per_token(m.kind, m.value, m.position):
+            site = f"L{m.layer}.states" if m.layer is not None else "states"
+            raise DeltaValueError(
+                f"{m.written or 'norm(' + site + ')'} is one number per token; {where} each run needs one number: "
+                f"measure norm(L{m.layer}.state_output) (after the last token) or norm(L{m.layer}.state_after(t))",
+                span=m.span)
+
+
 class TopK:
     """What `top(k)` measures: the k most likely next tokens, `ids` (int64) and `probs` (float32), each
     `[b, k]`, most likely first (ties: the lower id first, as `torch.topk` on CPU gives no such promise)."""

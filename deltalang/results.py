@@ -285,3 +285,83 @@ def _versions() -> dict[str, str]:
 
     return {"deltalang": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "nnsight": getattr(nnsight, "__version__", "?")}
+
+
+# what a deltalang run writes in an --out directory (a sweep's plots: `*.png`; temporary files: `*.tmp`, `.deltalang-*`)
+OUT_NAMES = frozenset({"results.json", "results.safetensors", "program.dl", "emitted.py", "reference.py", "sweep.csv",
+                       "sweep.json", "results.csv", "results.partial.csv", "summary.csv", "summary.json",
+                       "progress.json", "attribution.csv"})
+
+
+def _ours(name: str) -> bool:
+    return name in OUT_NAMES or name.endswith((".png", ".tmp")) or name.startswith(".deltalang-")
+
+
+def _program_of(directory: Path) -> str | None:
+    """The program whose results `directory` holds (its `program.dl`, or an unfinished run's record), or None."""
+    try:
+        if (directory / "program.dl").is_file():
+            return (directory / "program.dl").read_text(encoding="utf-8")
+        for name in ("progress.json", "sweep.json"):
+            if (directory / name).is_file():
+                return json.loads((directory / name).read_text(encoding="utf-8")).get("program")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+class OutDir:
+    """An `--out DIR` claimed for one program's run (`claim_out_dir`): `failed()` after a failure removes what
+    the run wrote there, unless it saved work that `--resume` continues."""
+
+    def __init__(self, path: Path, fresh: bool, made: bool) -> None:
+        self.path, self.fresh, self.made = path, fresh, made
+
+    def failed(self) -> None:
+        if not self.fresh or not self.path.is_dir() or self._resumable():
+            return
+        for entry in self.path.iterdir():  # the directory was empty: all of it is this run's
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if self.made:
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+
+    def _resumable(self) -> bool:
+        for name in ("progress.json", "sweep.json"):
+            try:
+                if json.loads((self.path / name).read_text(encoding="utf-8")).get("done"):
+                    return True
+            except (OSError, ValueError, AttributeError):
+                continue
+        return False
+
+
+def claim_out_dir(directory: str | Path, program: str, *, resume: bool = False, replace: bool = False) -> OutDir:
+    """`--out DIR` for a run of `program`: new or empty, this program's own (or `resume`), or, with `replace`,
+    another's whose results are removed first. A DeltaError otherwise: never results beside another's."""
+    out = check_out_dir(directory)
+    entries = sorted(e.name for e in out.iterdir()) if out.is_dir() else []
+    if resume and not entries:
+        raise DeltaError(f"--resume: nothing to resume in {directory}: it holds no run (drop --resume to start one)")
+    if not entries:
+        return OutDir(out, fresh=True, made=not out.is_dir())
+    if resume or _program_of(out) == program:
+        return OutDir(out, fresh=False, made=False)
+    foreign = [e for e in entries if not _ours(e)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise DeltaError(f"--out {directory} holds files that are not deltalang's results ({shown}): give a new or "
+                         f"empty directory")
+    if not replace:
+        raise DeltaError(f"--out {directory} holds another program's results ({', '.join(entries[:4])}"
+                         f"{', ...' if len(entries) > 4 else ''}): give a new directory, --resume to continue "
+                         f"this program's run there, or --replace to delete them first")
+    for name in entries:
+        path = out / name
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        except OSError as e:
+            raise DeltaError(f"--replace: cannot delete {path}: {e.strerror or e}") from None
+    return OutDir(out, fresh=True, made=False)

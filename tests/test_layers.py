@@ -27,11 +27,11 @@ LAYERS: dict[str, int] = {
     "backends": 5, "deltarule": 5, "kernels": 5, "mixer": 5, "info": 5, "model": 5, "gradients": 5,
     "results": 6, "compiled": 6,
     "sweep": 7, "dataset_run": 7, "dataset_store": 7,
-    "run": 8, "cli": 8, "notebook": 8, "__init__": 8, "__main__": 8,
+    "run": 8, "cli": 8, "options": 8, "notebook": 8, "__init__": 8, "__main__": 8,
 }
 # layers that never import each other: the language and compiler, and the value layer
 APART = ({3, 4}, {5})
-ENTRY_POINTS = {"cli", "notebook", "__init__", "__main__"}
+ENTRY_POINTS = {"cli", "options", "notebook", "__init__", "__main__"}
 
 
 def _modules() -> list[Path]:

@@ -91,3 +91,135 @@ def test_a_dataset_on_such_a_checkpoint_runs(kimi_gqa: Path, tmp_path: Path, cap
     assert main(["run", str(prog), "--model", str(kimi_gqa)]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "3 of 3 records" in out and " n 3 " in out, out
+
+
+# ---- (a) a per-token measure over a dataset; a failed run over a dataset ---------------------------
+
+
+def _dataset_program(tmp_path: Path, measure: str) -> Path:
+    prog = tmp_path / "p.dl"
+    prog.write_text(f'dataset facts = "{LANDMARKS}"\ntrace t on facts {{\n    measure {measure}\n}}\n')
+    return prog
+
+
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_a_per_token_measure_over_a_dataset_is_a_located_error(command: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    prog = _dataset_program(tmp_path, "norm(L4.states)")
+    out = tmp_path / "out"
+    assert main([command, str(prog)] + (["--out", str(out)] if command == "run" else [])) == 1
+    err = capsys.readouterr().err
+    assert f"{prog}:3:13: error: norm(L4.states) is one number per token" in err and "internal error" not in err
+    assert "norm(L4.state_output)" in err  # what to measure instead
+    assert not out.exists()  # nothing written
+
+
+def test_a_failed_run_over_a_dataset_leaves_no_results_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    from deltalang import dataset_run
+
+    prog, out = _dataset_program(tmp_path, "norm(L4.state_output)"), tmp_path / "out"
+    real = dataset_run._run_group
+    calls = []
+
+    def failing(*a: object, **k: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a failure in the second group")
+        return real(*a, **k)
+
+    monkeypatch.setattr(dataset_run, "MAX_GROUP", 8)
+    monkeypatch.setattr(dataset_run, "_run_group", failing)
+    assert main(["run", str(prog), "--out", str(out)]) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["progress.json", "results.partial.csv"]  # kept for --resume
+    assert len(json.loads((out / "progress.json").read_text())["done"]) == 8
+    monkeypatch.setattr(dataset_run, "_run_group", real)
+    assert main(["run", str(prog), "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+    names = sorted(p.name for p in out.iterdir())
+    assert "results.csv" in names and "results.partial.csv" not in names
+    assert len((out / "results.csv").read_text().splitlines()) == 1 + 24
+
+
+def test_a_run_over_a_dataset_failing_at_once_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deltalang import dataset_run
+
+    def failing(*a: object, **k: object) -> object:
+        raise RuntimeError("a failure in the first group")
+
+    monkeypatch.setattr(dataset_run, "_run_group", failing)
+    out = tmp_path / "out"
+    assert main(["run", str(_dataset_program(tmp_path, "norm(L4.state_output)")), "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+# ---- (c) --out never beside another program's results --------------------------------------------
+
+EIFFEL = Path(__file__).resolve().parent.parent / "examples" / "eiffel.dl"
+
+
+def test_out_holding_another_programs_results_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("sweep.csv", "reference.py", "program.dl"):
+        (out / name).write_text("another experiment\n")
+    assert main(["run", str(EIFFEL), "--out", str(out)]) == 1
+    assert "holds another program's results" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["program.dl", "reference.py", "sweep.csv"]  # untouched
+    assert main(["run", str(EIFFEL), "--out", str(out), "--replace"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "sweep.csv" not in names and "reference.py" not in names and "results.json" in names
+    assert (out / "program.dl").read_text() == EIFFEL.read_text()
+    assert main(["run", str(EIFFEL), "--out", str(out)]) == 0  # its own directory: rerun into it
+
+
+def test_out_holding_files_that_are_not_results_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    assert main(["run", str(EIFFEL), "--out", str(out), "--replace"]) == 1
+    assert "not deltalang's results (notes.txt)" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_failed_run_leaves_nothing_in_a_new_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    from deltalang.results import Results
+
+    def half_save(self: Results, directory: str | Path, **k: object) -> Path:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "results.json").write_text("{}")
+        raise RuntimeError("the disk went away")
+
+    monkeypatch.setattr(Results, "save", half_save)
+    out = tmp_path / "new" / "out"
+    assert main(["run", str(EIFFEL), "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+# ---- (d) options that would be ignored -------------------------------------------------------------
+
+SWEEP = Path(__file__).resolve().parent.parent / "examples" / "sweep_state_ablation.dl"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sweep", str(SWEEP), "--naive", "--attribution"], "give one of them"),
+    (["run", str(EIFFEL), "--resume"], "--resume is about the run's --out directory"),
+    (["run", str(EIFFEL), "--prompt", "Hello"], "--prompt gives the prompt of the statements outside any run"),
+    (["check", str(EIFFEL), "--prompt", "Hello"], "--prompt gives the prompt of the statements outside any run"),
+    (["sweep", str(SWEEP), "--normalise", "clean=clean,corrupted=clean"], "(clean - corrupted) is 0"),
+    (["sweep", str(SWEEP), "--attribution", "--batch-size", "4"], "--batch-size: not an option of a sweep by attr"),
+])
+def test_an_option_that_would_be_ignored_is_an_error(argv: list[str], message: str,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_resume_with_nothing_to_resume_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "empty"
+    assert main(["sweep", str(SWEEP), "--out", str(out), "--resume"]) == 1
+    assert "nothing to resume" in capsys.readouterr().err
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "program.dl").write_text(EIFFEL.read_text())
+    assert main(["run", str(EIFFEL), "--out", str(tmp_path / "plain"), "--resume"]) == 1
+    assert "this program runs at once" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+"""The command line's options checked before a command starts, and the ones a command would ignore.
+
+`check_options(args)`: options that would fail only once a model is loaded or has run (`--prompt ""`,
+`--device`, `--remote`, an `--out` that cannot be written), and combinations that mean nothing (`--naive`
+with `--attribution`, `--resume` or `--replace` without `--out`). `claim_out(args, read)` claims the
+`--out` directory for the program (`results.claim_out_dir`: never results beside another program's).
+`refuse_unused_prompt` (a `--prompt` no statement uses) and `refuse_ignored` (an exact sweep's options under
+attribution; a `--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
+Imports are lazy, so `deltalang --help` loads nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from .errors import DeltaError
+
+# what `--device` may name; availability is asked of torch
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def check_device(name: str) -> None:
+    """A DeltaError unless torch can put tensors on device `name` here (checked before a model loads)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise DeltaError(f"--device {name!r} is not a device deltalang runs on: one of {', '.join(DEVICE_TYPES)}, "
+                         f"with an index if needed (cuda:1)")
+    try:
+        torch.empty(0, device=device)
+    except Exception as e:  # noqa: BLE001 - torch says "not compiled with CUDA" in several exception types
+        raise DeltaError(f"--device {name} is not available with this torch ({torch.__version__}): "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The options that would fail only after a model loaded or ran, checked first."""
+    if getattr(args, "prompt", None) == "":
+        raise DeltaError("--prompt is empty: a run needs at least one token; give the prompt's text")
+    if getattr(args, "remote", None) is not None:
+        from .run import REMOTE_REFUSAL
+
+        raise DeltaError(REMOTE_REFUSAL)
+    if getattr(args, "device", None) is not None and getattr(args, "device_map", None) is None:
+        check_device(args.device)
+    if getattr(args, "out", None) is not None:
+        from .results import check_out_dir
+
+        check_out_dir(args.out)
+    elif getattr(args, "resume", False) or getattr(args, "replace", False):
+        raise DeltaError(f"--{'resume' if args.resume else 'replace'} is about the run's --out directory: give --out DIR")
+    if getattr(args, "naive", False) and getattr(args, "attribution", False):
+        raise DeltaError("--naive runs every cell exactly as a full forward, --attribution estimates them from "
+                         "gradients: give one of them")
+    if getattr(args, "resume", False) and getattr(args, "replace", False):
+        raise DeltaError("--resume continues the run in --out, --replace deletes it: give one of them")
+
+
+def claim_out(args: argparse.Namespace, read: Callable[[argparse.Namespace], tuple[str, str]]) -> Any:
+    """The `--out` directory claimed for this program (`results.claim_out_dir`), or None without --out."""
+    if getattr(args, "out", None) is None:
+        return None
+    from .results import claim_out_dir
+
+    args.program = read(args)
+    return claim_out_dir(args.out, args.program[0], resume=args.resume, replace=args.replace)
+
+
+def refuse_unused_prompt(resolved: Any, prompt: str | None) -> None:
+    """`--prompt` is the prompt of the statements outside any run: an error where there are none."""
+    if prompt is not None and not any(r.name == "main" and r.implicit for r in resolved.runs):
+        raise DeltaError("--prompt gives the prompt of the statements outside any run (the implicit trace 'main'); "
+                         "this program has none, so it would change nothing: drop --prompt, or edit the prompt "
+                         "the runs name")
+
+
+def refuse_ignored(args: argparse.Namespace, attribution: bool, exp: Any = None) -> None:
+    """Options of an exact sweep that attribution would ignore, and a `--normalise` whose denominator is zero."""
+    given = [f"--{o.replace('_', '-')}" for o in ("naive", "normalise", "batch_size", "resume") if getattr(args, o, None)]
+    if attribution and given:
+        raise DeltaError(f"{', '.join(given)}: not an option of a sweep by attribution (it estimates every cell from "
+                         f"gradients and runs the top cells exactly); drop it, or run the sweep exactly")
+    norm = getattr(args, "normalise", None)
+    pairs = dict(p.split("=", 1) for p in (norm or "").split(",") if p.count("=") == 1)
+    clean, corrupted = (pairs.get(k, "").strip() for k in ("clean", "corrupted"))
+    prompts = getattr(getattr(exp, "resolved", None), "prompts", {})
+    if clean and (clean == corrupted or (clean in prompts and prompts.get(clean) == prompts.get(corrupted))):
+        raise DeltaError(f"--normalise {norm}: clean and corrupted are the same run, so (clean - corrupted) is 0 and "
+                         f"every normalised value would be nan: name two runs that differ")
