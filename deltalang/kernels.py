@@ -21,8 +21,17 @@ knows a site only through the `Site` protocol, so this module never imports
 
 What a dispatcher calls is chosen per call by the tensors' device
 (`deltalang.backends`): the compiled implementation transformers bound (FLA) for
-CUDA tensors, the torch reference for others. Packed sequences (`cu_seqlens`)
-reach FLA as they are, and the torch reference one sequence at a time.
+CUDA tensors, the torch reference for others.
+
+Packed sequences (`cu_seqlens` / `cu_seq_lens_q`, several in one row) are never
+merged, nor served where transformers refuses them: they reach FLA as they are
+(the short convolution, which no implementation keeps apart, one call each), and
+on transformers' torch kernels they are refused (`PackedSequencesError`, a
+`ValueError` like transformers' own refusal). Running the kernels one sequence at
+a time would not make the rest of the model keep them apart: transformers'
+attention mask merges them once a cache is in use, and some families mix
+positions outside their mixers (qwen4_exp's n-gram embeddings, glm5_next's indexed
+attention). Inside a trace that asks for a mixer's values they are refused too.
 
 Because the dispatcher is what the globals hold from the first `load_model` on,
 routing (`route_kernels`) only changes a table the dispatcher reads: it works
@@ -48,6 +57,11 @@ import torch
 from . import backends, families
 from .deltarule import CHUNK, per_token, per_token_loop, prepare, read_state  # noqa: F401  (the delta rule itself)
 from .errors import DeltaValueError
+
+
+class PackedSequencesError(DeltaValueError, ValueError):
+    """Packed sequences deltalang cannot keep apart exactly (a `ValueError`, as transformers' refusal is)."""
+
 
 ROUTES = ("default", "torch")
 
@@ -131,14 +145,15 @@ def original(fam: families.Family, name: str) -> Callable[..., Any]:
 _SOURCE: "weakref.WeakKeyDictionary[Callable[..., Any], bool]" = weakref.WeakKeyDictionary()
 
 
-def has_python_source(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` is transformers' pure-torch kernel (not a compiled one without source)."""
+def has_python_source(fn: Callable[..., Any], family_module: str = "") -> bool:
+    """Whether `fn` is transformers' pure-torch kernel (not a compiled one without source): defined in
+    transformers, or in the family's own modeling module (one registered from outside transformers)."""
     try:
         return _SOURCE[fn]
     except (KeyError, TypeError):  # TypeError: not weakly referable (a builtin), not cached
         pass
     mod = getattr(fn, "__module__", "") or ""
-    ok = mod.startswith("transformers.")
+    ok = mod.startswith("transformers.") or (bool(family_module) and mod == family_module)
     if ok:
         try:
             inspect.getsource(fn)
@@ -178,7 +193,7 @@ def compiled_kernels(fam: families.Family) -> dict[str, str]:
     out = {}
     for name in _kernel_names(fam):
         fn = _ORIGINALS[fam.name][name]
-        if not has_python_source(fn):
+        if not has_python_source(fn, fam.module_name):
             out[name] = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     return out
 
@@ -307,9 +322,11 @@ def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> 
         if which == "conv":
             cu = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))
             if site is not None and site.active():
+                if cu is not None and len(cu) > 2:
+                    raise DeltaValueError(f"L{site.layer}: {_NOT_SERVED}")
                 return site.conv(run, *args, **kwargs)
             if cu is not None:  # no conv implementation keeps packed sequences apart: one call each
-                return backends.conv_per_sequence(run, cu, *args, **kwargs)
+                return _conv_packed(run, cu, args, kwargs)
             return run(*args, **kwargs)
         if site is not None and site.active():
             return site.conv_update(run, *args, **kwargs)
@@ -324,15 +341,29 @@ def _make_dispatch(fam: families.Family, which: str, fn: Callable[..., Any]) -> 
         return dispatch(*args, **kwargs)
 
     # the common case, a kernel with Python source, pays for no check
-    out = dispatch if has_python_source(fn) else guarded
+    out = dispatch if has_python_source(fn, fam.module_name) else guarded
     out.__name__ = getattr(fn, "__name__", which)
     out.__qualname__ = f"deltalang_dispatch.{out.__name__}"
     out.__wrapped_kernel__ = fn  # type: ignore[attr-defined]
     return out
 
 
+_NOT_SERVED = ("packed sequences (cu_seqlens) are run, not served: a trace that reads or writes a "
+               "DeltaNet value needs them as a padded batch (one row per sequence)")
+
+
+def _refused(n: int, why: str) -> PackedSequencesError:
+    return PackedSequencesError(f"{n} packed sequences (cu_seqlens) in one row {why}; pad them into a batch "
+                                f"(one row per sequence)")
+
+
 def _packed(run: Callable[..., Any], impl: backends.Backend, args: tuple, kwargs: dict) -> Any:
-    """Call a delta-rule kernel; packed sequences (`cu_seqlens`) one by one unless FLA itself runs."""
+    """Call a delta-rule kernel; packed sequences (`cu_seqlens`) reach FLA as they are, else are refused.
+
+    transformers' torch kernels refuse several packed sequences (Kimi's forward passes them on as
+    `cu_seq_lens_q`, which its wrapper drops: merged); so does deltalang, for the reason in the module
+    docstring. A single one (`[0, n]`) keeps nothing apart and runs as the plain call.
+    """
     cu = kwargs.get("cu_seqlens")
     if cu is None:  # Kimi's forward passes the model's `cu_seq_lens_q` on as it is
         cu = kwargs.get("cu_seq_lens_q")
@@ -341,4 +372,18 @@ def _packed(run: Callable[..., Any], impl: backends.Backend, args: tuple, kwargs
     kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seqlens", "cu_seq_lens_q")}
     if run is impl.compiled and impl.reference is not None:  # FLA keeps the sequences apart itself
         return run(*args, cu_seqlens=cu, **kwargs)
+    if len(cu) > 2:
+        raise _refused(len(cu) - 1, "on transformers' torch kernels: refused, as transformers refuses them "
+                                    "(run one by one, the rest of the model would still merge them: its "
+                                    "attention with a cache, n-gram embeddings)")
     return backends.per_sequence(run, cu, *args, **kwargs)
+
+
+def _conv_packed(run: Callable[..., Any], cu: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    """A prompt's convolution over packed sequences: one call each; refused behind a cached window."""
+    hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+    if len(cu) <= 2:  # one sequence: nothing to keep apart (a cached window in front continues it)
+        return run(*args, **kwargs)
+    if isinstance(hidden, torch.Tensor) and hidden.shape[-1] > int(cu[-1]):
+        raise _refused(len(cu) - 1, "cannot continue a cache (its convolution window is one row's)")
+    return backends.conv_per_sequence(run, cu, *args, **kwargs)

@@ -172,23 +172,22 @@ def test_cpu_calls_run_the_reference_and_compiled_mode_splits_the_implementation
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_packed_sequences_run_apart_and_a_trace_refuses_them(family: str) -> None:
-    """`cu_seq_lens_q` through a mixer equals one call per sequence; a trace asking for a value refuses."""
+def test_packed_sequences_on_torch_kernels_are_refused_and_a_trace_refuses_them(family: str) -> None:
+    """`cu_seq_lens_q` of two sequences through a mixer on the torch kernels is refused, never merged (as
+    transformers refuses; tests/test_packed.py: the whole model); one sequence runs as the plain call."""
     model = deltalang.load_model(tiny_checkpoint(family))
     layer = model.spec.linear_layers()[0]
-    mixer = getattr(model._module.model.layers[layer], model.family.mixer_attr)
+    mixer = getattr(model.layers[layer]._module, model.family.mixer_attr)  # (glm5_next: a composite's text stack)
     torch.manual_seed(0)
-    hidden = torch.randn(1, 9 + 13, model.spec.config.hidden_size)
-    cu = torch.tensor([0, 9, 22], dtype=torch.int32)
+    hidden = torch.randn(1, 9 + 13, model.spec.config.get_text_config().hidden_size)
     with torch.no_grad():
-        packed = mixer(hidden_states=hidden, cu_seq_lens_q=cu)
-        apart = torch.cat([mixer(hidden_states=hidden[:, :9]), mixer(hidden_states=hidden[:, 9:])], dim=1)
-        merged = mixer(hidden_states=hidden)
-    packed = packed[0] if isinstance(packed, tuple) else packed
-    apart_t = apart if isinstance(apart, torch.Tensor) else apart[0]
-    merged = merged[0] if isinstance(merged, tuple) else merged
-    torch.testing.assert_close(packed, apart_t, atol=1e-5, rtol=0)
-    assert (merged[:, 9:] - apart_t[:, 9:]).abs().max() > 1e-4  # merging would have shown
+        with pytest.raises(kernels.PackedSequencesError, match="packed sequences"):
+            mixer(hidden_states=hidden, cu_seq_lens_q=torch.tensor([0, 9, 22], dtype=torch.int32))
+        one = mixer(hidden_states=hidden, cu_seq_lens_q=torch.tensor([0, 22], dtype=torch.int32))
+        plain = mixer(hidden_states=hidden)
+    one = one[0] if isinstance(one, tuple) else one
+    plain = plain[0] if isinstance(plain, tuple) else plain
+    torch.testing.assert_close(one, plain, atol=1e-5, rtol=0)
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     n = ids.shape[1]
     with pytest.raises(DeltaError, match="packed sequences"):
