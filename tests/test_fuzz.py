@@ -212,3 +212,75 @@ def test_mutated_programs_only_raise_delta_errors(tiny_spec: Callable[[str], Any
 def test_every_prefix_of_the_tour(cut: int, tiny_spec: Callable[[str], Any]) -> None:
     text = (HERE / "golden" / "tour.dl").read_text(encoding="utf-8")
     _assert_delta_error(text[:cut], tiny_spec("qwen3_5"))
+
+
+# ---- random WELL-FORMED programs, run on the bundled model: no internal error ---------------------
+
+from deltalang import values as _values  # noqa: E402
+from deltalang.bundled import PATH as _BUNDLED  # noqa: E402
+
+_PROMPTS = 'prompt clean = "The Eiffel Tower is in the city of"\nprompt other = "My favourite food is pizza"\n'
+_BLOCKS = ("L0", "L4", "L6", "L[linear]")
+_POSITIONS = ("0", "2", "-1", "-2", '"Tower"')
+
+
+@st.composite
+def _site(draw: Any, writable: bool) -> str:
+    names = [v.name for v in _values.CATALOGUE.values() if _values.DELTANET in v.kinds and (v.writable or not writable)]
+    value = _values.CATALOGUE[draw(st.sampled_from(sorted(names)))]
+    pos = f"({draw(st.sampled_from(_POSITIONS))})" if value.positional else ""
+    return f"{draw(st.sampled_from(_BLOCKS))}.{value.name}{pos}"
+
+
+@st.composite
+def _statement(draw: Any, kind: str) -> str:
+    what = draw(st.sampled_from(("read", "write", "scale", "measure", "measure")))
+    if what == "read":
+        return f"read {draw(_site(False))}"
+    if what in ("write", "scale"):
+        site = draw(_site(True))
+        if what == "scale":
+            return f"write {site} *= {draw(st.sampled_from(('0.5', '0', '2')))}"
+        return f"write {site} {draw(st.sampled_from(('= zeros', 'from other')))}"
+    return "measure " + draw(st.sampled_from((
+        'prob(" Paris")', 'rank(" Paris")', 'logit_diff(" Paris", " Rome")', "top(3)", "kl(base)",
+        f"norm({draw(_site(False))})")))
+
+
+@st.composite
+def _well_formed(draw: Any) -> str:
+    body = draw(st.lists(_statement("trace"), min_size=1, max_size=4))
+    kind = draw(st.sampled_from(("trace", "trace", "generate")))
+    head = "trace x on clean" if kind == "trace" else "generate x on clean max_new_tokens 2"
+    if kind == "generate" and draw(st.booleans()):
+        body = [f"step 1: {body[0]}", *body[1:]]
+    return _PROMPTS + 'trace base on clean {\n    measure prob(" Paris")\n}\n' + head + " {\n" + \
+        "".join(f"    {s}\n" for s in body) + "}\n"
+
+
+@pytest.fixture(scope="module")
+def bundled_model() -> Any:
+    if not (_BUNDLED / "config.json").exists():
+        pytest.skip("the bundled model is not built")
+    import deltalang
+
+    return deltalang.load_model()
+
+
+def test_well_formed_programs_run_without_an_internal_error(bundled_model: Any) -> None:
+    """Any program built from the catalogue's values and the statement kinds runs, or is one DeltaError;
+    anything else is what `deltalang` prints as an internal error."""
+    import deltalang
+
+    @settings(max_examples=_N or 25, deadline=None, derandomize=not _N,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(_well_formed())
+    def one(text: str) -> None:
+        try:
+            deltalang.run(text, model=bundled_model)
+        except DeltaError:
+            pass
+        except Exception as e:  # noqa: BLE001 - an internal error: the program that gave it
+            raise AssertionError(f"internal error {type(e).__name__}: {e}\n{text}") from e
+
+    one()
