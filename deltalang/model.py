@@ -32,14 +32,20 @@ from typing import Any, Iterator
 
 import attrs
 import torch
-from nnsight import LanguageModel
 
-from . import families, kernels, values
+from . import compat, families, kernels, values
 from .errors import DeltaModelError
 from .info import support_table
 from .deltarule import reusing
 from .kernels import unwinding
-from .mixer import DeltaNetEnvoy, MixerSite
+
+try:
+    from nnsight import LanguageModel
+
+    from .mixer import DeltaNetEnvoy, MixerSite
+except ImportError:  # an nnsight (or transformers) outside the supported range: one line naming it
+    compat.check_versions()
+    raise
 from .spec import ModelSpec, load_config, load_tokenizer, spec_from_config, _display_id
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -119,6 +125,7 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
     file). Modules placed on `"disk"` are offloaded to `offload_folder` (default: a temporary
     directory removed at exit).
     """
+    compat.check_versions()
     where, config = load_config(name_or_path, trust_remote_code)
     spec = spec_from_config(_display_id(name_or_path, where), config, None)  # refused before any weight is read
     kernels.install(spec.family)
@@ -175,6 +182,7 @@ def device_map_of(device_map: str | dict[str, Any] | Path,
 
 def wrap_model(hf: torch.nn.Module, tokenizer: Any, model_id: str | None = None) -> DeltaModel:
     """Wrap an in-memory transformers model of a supported family (what `load_model` returns)."""
+    compat.check_versions()
     model_id = model_id or getattr(hf.config, "_name_or_path", None) or type(hf).__name__
     spec = spec_from_config(model_id, hf.config, tokenizer)
     kernels.install(spec.family)

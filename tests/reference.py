@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from deltalang import families, kernels
+from deltalang.compat import cache_kwargs, output_cache
+from deltalang.model import decoder, decoder_layers
 
 PER_TOKEN_INPUTS = ("attention_queries", "attention_keys", "attention_values", "decays", "betas")
 Fn = Callable[[Any, int], Any]  # (current value, token index within the step) -> new value
@@ -157,8 +159,8 @@ class Reference:
         fam = families.for_config(hf.config)
         assert fam is not None, hf.config.model_type
         self.fam = fam
-        self.layers = list(hf.model.layers)
-        self.linear = [i for i, t in enumerate(hf.config.layer_types) if t == "linear_attention"]
+        self.layers = list(decoder_layers(hf))  # at `.model.language_model` in a composite model
+        self.linear = [i for i, t in enumerate(decoder(hf).config.layer_types) if t == "linear_attention"]
         gen = getattr(hf, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else hf.config.eos_token_id
@@ -269,9 +271,10 @@ class Reference:
         return Record(steps, new)
 
     def _one(self, ids: torch.Tensor, cache: Any, step: Step) -> Any:
-        out = self.hf(ids, cache=cache, use_cache=True) if cache is not None else self.hf(ids, use_cache=True)
+        kw = cache_kwargs(cache, self.hf) if cache is not None else {}  # the keyword this transformers takes
+        out = self.hf(ids, **kw, use_cache=True)
         step.logits.append(out.logits)
-        return out.cache
+        return output_cache(out)
 
     def _conv(self, cache: Any, step: Step, writes: Sequence[Write], t: int) -> None:
         """After prompt token t: apply `conv_window_after(t)` writes to the cache, record every window."""

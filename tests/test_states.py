@@ -91,8 +91,11 @@ def test_chunked_states_equal_the_token_loop_and_transformers_kernels(fam: famil
     assert out.dtype == q.dtype and states.dtype == torch.float32
     assert _rel(states, states_loop) < 1e-5
     assert _rel(out, out_loop) < 1e-5
-    for name in (fam.chunk_kernel, fam.recurrent_kernel):  # transformers' own kernels
-        ref_out, ref_final = kernels.original(fam, name)(q, k, v, g=g, beta=beta, initial_state=state,
+    # transformers' own kernels, with each key head serving h / hk consecutive value heads as its mixers have it
+    # (5.24's kernels repeat the keys inside; before 5.24 the mixer repeats them and the kernels take h key heads)
+    rq, rk = (x.repeat_interleave(v.shape[2] // x.shape[2], dim=2) for x in (q, k))
+    for name in (fam.chunk_kernel, fam.recurrent_kernel):
+        ref_out, ref_final = kernels.original(fam, name)(rq, rk, v, g=g, beta=beta, initial_state=state,
                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
         assert _rel(out, ref_out) < 1e-5
         assert _rel(states[:, -1], ref_final) < 1e-5

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang import kernels
+from deltalang.compat import cache_kwargs
 from deltalang.errors import DeltaValueError
 from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
 
@@ -234,7 +235,7 @@ def test_conv_window_after_equals_the_cache_and_writes_like_it(loaded: tuple) ->
     with torch.no_grad():
         for i in layers:
             cache.get_conv_state(i).copy_(donor.get_conv_state(i))
-        ref = hf(ids[:, t + 1:], cache=cache, use_cache=True).logits[:, -1]
+        ref = hf(ids[:, t + 1:], **cache_kwargs(cache, hf), use_cache=True).logits[:, -1]
     torch.testing.assert_close(patched, ref, atol=1e-4, rtol=0)
 
 
@@ -275,7 +276,7 @@ def test_decode_step_write_matches_the_cache_by_hand(loaded: tuple) -> None:
             if st == 1:
                 for i in layers:
                     cache.get_recurrent_state(i).copy_(oc.get_recurrent_state(i))
-            out = hf(nxt, cache=cache, use_cache=True)
+            out = hf(nxt, **cache_kwargs(cache, hf), use_cache=True)
             cache = out.past_key_values
             nxt = out.logits[:, -1:].argmax(-1)
             toks.append(nxt)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang import kernels, mixer
+from deltalang.compat import cache_kwargs
 from deltalang.model import wrap_model
 from deltalang.spec import load_tokenizer
 from deltalang.testing import tiny_checkpoint
@@ -64,7 +65,7 @@ def _check_write(model: deltalang.DeltaModel, truth: torch.nn.Module, t: int = 8
     with torch.no_grad():
         for i in layers:
             cache.get_conv_state(i).copy_(donor.get_conv_state(i))
-        ref = truth(ids[:, t + 1:], cache=cache, use_cache=True).logits[:, -1]
+        ref = truth(ids[:, t + 1:], **cache_kwargs(cache, truth), use_cache=True).logits[:, -1]
         clean = truth(ids).logits[:, -1]
     torch.testing.assert_close(patched, ref, atol=1e-4, rtol=0)
     assert (patched - clean).abs().max() > 1e-3

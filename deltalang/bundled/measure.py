@@ -1,6 +1,6 @@
 """Measurements of the bundled model, shared by `scripts/train_bundled.py` and the tests.
 
-Everything goes through plain transformers (no nnsight, no deltalang): the
+Everything goes through plain transformers (no nnsight, no deltalang but `compat`'s cache keyword): the
 memory-patching figures use transformers' own cache as the ground truth for
 what a DeltaNet block carries after a prefix.
 
@@ -19,6 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from ..compat import cache_kwargs, output_cache
 from . import PATH, world
 
 MODES = ("none", "state", "whole")
@@ -103,7 +104,7 @@ def heldout_accuracy(model: Any, tokenizer: Any, every: int = 1) -> dict[str, An
 @torch.no_grad()
 def _run_prefix(model: Any, ids: torch.Tensor) -> Any:
     out = model(ids, use_cache=True)
-    return out.cache
+    return output_cache(out)
 
 
 @torch.no_grad()
@@ -141,7 +142,7 @@ def memory_patch(
             cache.get_recurrent_state(i).copy_(donor_cache.get_recurrent_state(i).expand_as(cache.get_recurrent_state(i)))
             if mode == "whole":
                 cache.get_conv_state(i).copy_(donor_cache.get_conv_state(i).expand_as(cache.get_conv_state(i)))
-    logits = model(ids[:, prefix_len:], cache=cache, use_cache=True).logits[:, -1].float()
+    logits = model(ids[:, prefix_len:], **cache_kwargs(cache, model), use_cache=True).logits[:, -1].float()
     targets = torch.tensor([answer_id(tokenizer, a) for a in answers])
     return logits.softmax(-1).gather(1, targets[:, None])[:, 0]
 
@@ -153,7 +154,7 @@ def split_consistency(model: Any, tokenizer: Any, prompt: str, prefix_len: int) 
     full = model(ids, use_cache=False).logits
     cache = _run_prefix(model, ids[:, :prefix_len])
     first = model(ids[:, :prefix_len], use_cache=False).logits
-    rest = model(ids[:, prefix_len:], cache=cache, use_cache=True).logits
+    rest = model(ids[:, prefix_len:], **cache_kwargs(cache, model), use_cache=True).logits
     return float((torch.cat([first, rest], dim=1) - full).abs().max())
 
 

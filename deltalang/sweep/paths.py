@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import gradients
+from ..compat import cache_kwargs
 from ..ir import ResolvedMeasure
 from ..model import DeltaModel, decoder_layers
 from .job import measure_label
@@ -92,7 +93,7 @@ def record_forward(model: DeltaModel, blocks: Sequence[int], ids: torch.Tensor |
     def forward() -> torch.Tensor:
         kw: dict[str, Any] = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
         if cache is not None:
-            kw.update(cache=cache, use_cache=True)
+            kw.update(cache_kwargs(cache, hf), use_cache=True)
         else:
             kw.update(use_cache=False)
         return hf(**kw, logits_to_keep=1).logits

@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from .. import values
+from ..compat import cache_keyword, cache_kwargs
 from ..model import DeltaModel, decoder
 from .errors import Unsupported
 from .job import Cell
@@ -54,7 +55,7 @@ def capture_clean(model: DeltaModel, text: str, first_block: int, reads: Mapping
     order = {"conv_window_after": 0, "state_after": 1, "state_output": 2}
 
     def forward(cache: Any) -> None:
-        with torch.no_grad(), model.trace(text, cache=cache, use_cache=True):
+        with torch.no_grad(), model.trace(text, **cache_kwargs(cache, model), use_cache=True):
             for i in sorted(reads):
                 mixer = model.layers[i].linear_attn
                 for value, p in sorted(reads[i], key=lambda vp: (order[vp[0]], vp[1] or 0)):
@@ -74,9 +75,9 @@ T = TypeVar("T")
 
 def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any], T]) -> tuple[T, Capture]:
     """What `forward(cache)` leaves for `run_rows`, no values: `forward` is one forward of the clean prompt
-    through the model given a fresh transformers cache (`cache=cache, use_cache=True`), with or without
-    gradients (what is kept is detached): the residual stream entering blocks first_block.. and their call
-    arguments (forward pre-hooks), the attention blocks' keys and values (the cache)."""
+    through the model given a fresh transformers cache (`**compat.cache_kwargs(cache, model), use_cache=True`),
+    with or without gradients (what is kept is detached): the residual stream entering blocks first_block.. and
+    their call arguments (forward pre-hooks), the attention blocks' keys and values (the cache)."""
     from transformers import DynamicCache
 
     hf = model._module
@@ -105,7 +106,8 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
             if getattr(layer, "keys", None) is None:
                 raise Unsupported(f"block {i}'s cache holds no keys ({type(layer).__name__})")
             kv[i] = (layer.keys.detach(), layer.values.detach())
-    missing = [i for i in range(first_block, len(layers)) if i not in inputs or "cache" not in kwargs[i]]
+    missing = [i for i in range(first_block, len(layers))
+               if i not in inputs or cache_keyword(layers[i]) not in kwargs[i]]
     if missing:
         raise Unsupported(f"blocks {missing} were not called with a cache")
     seq_len = int(next(iter(inputs.values())).shape[1])
@@ -234,20 +236,22 @@ def _masks(model: DeltaModel, cap: Capture, cache: Any, start: int) -> dict[str,
     out: dict[str, Any] = {}
     for kind in set(model.spec.layer_types):
         if kind == "full_attention":
-            out[kind] = create_causal_mask(config=config, inputs_embeds=dummy, attention_mask=None, cache=cache,
-                                           position_ids=positions)
+            out[kind] = create_causal_mask(config=config, inputs_embeds=dummy, attention_mask=None,
+                                           position_ids=positions, **cache_kwargs(cache, create_causal_mask))
         elif kind == "linear_attention":
             out[kind] = create_recurrent_attention_mask(config=config, inputs_embeds=dummy, attention_mask=None,
-                                                        cache=cache)
+                                                        **cache_kwargs(cache, create_recurrent_attention_mask))
         else:
             raise Unsupported(f"layer type {kind!r}")
     return out
 
 
-def _call_kwargs(kw: Mapping[str, Any], start: int, cache: Any, mask: Any) -> dict[str, Any]:
-    """A block's clean call arguments, cut to positions start.. of a continuation over `cache`."""
+def _call_kwargs(kw: Mapping[str, Any], start: int, cache: Any, mask: Any,
+                 block: torch.nn.Module) -> dict[str, Any]:
+    """A block's clean call arguments, cut to positions start.. of a continuation over `cache` (under the
+    keyword `block` takes)."""
     out = dict(kw)
-    out["cache"] = cache
+    out.update(cache_kwargs(cache, block))
     if "attention_mask" in out:
         out["attention_mask"] = mask
     pe = out.get("position_embeddings")
@@ -315,7 +319,8 @@ def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
         if site is not None:
             site.direct = _direct_writes(rows[:k], i, start)
         try:
-            out = dec.layers[i](h, **_call_kwargs(cap.kwargs[i], start, cache, masks[model.spec.layer_types[i]]))
+            block = dec.layers[i]
+            out = block(h, **_call_kwargs(cap.kwargs[i], start, cache, masks[model.spec.layer_types[i]], block))
         finally:
             if site is not None:
                 site.direct = {}
