@@ -1,7 +1,7 @@
 """Loading a hybrid checkpoint as an nnsight model that serves the DeltaNet values.
 
 `load_model()` opens the bundled model; `load_model(path_or_id)` any checkpoint
-of the five families. The result is an nnsight `LanguageModel` with:
+of a family deltalang recognises (`deltalang.families`). The result is an nnsight `LanguageModel` with:
 
 - `.layers[i].linear_attn`: every family's DeltaNet mixer under one name
   (Kimi-Linear's lives at `self_attn` and is aliased), serving the values of
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -131,8 +132,6 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
     kernels.install(spec.family)
     tokenizer = load_tokenizer(where, trust_remote_code)
 
-    from transformers import AutoModelForCausalLM
-
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if dtype is not None:
         kwargs["dtype"] = parse_dtype(dtype)
@@ -145,7 +144,7 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
         if folder is not None:
             kwargs["offload_folder"] = str(folder)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        hf = families.auto_class(config).from_pretrained(where, **kwargs)
     except (OSError, ValueError) as e:
         raise DeltaModelError(f"cannot load the weights of {where!r}: {str(e).splitlines()[0]}") from None
     if device_map is None:
@@ -198,7 +197,7 @@ def _wrap(hf: torch.nn.Module, tokenizer: Any, spec: ModelSpec) -> DeltaModel:
     hf.eval()
     sites = _attach_sites(hf, spec)
     rename = {fam.mixer_type: "linear_attn"} if fam.mixer_attr != "linear_attn" else None
-    with _pipeline_safe(hf):
+    with _pipeline_safe(hf), _quiet_pipeline():
         model = DeltaModel(hf, tokenizer=tokenizer, envoys={fam.mixer_type: DeltaNetEnvoy}, rename=rename)
     model.spec = attrs.evolve(spec, tokenizer=tokenizer)
     model.family = fam
@@ -206,6 +205,19 @@ def _wrap(hf: torch.nn.Module, tokenizer: Any, spec: ModelSpec) -> DeltaModel:
         envoy = model.layers[layer].linear_attn
         site.bind(model.interleaver, envoy.path)
     return model
+
+
+@contextmanager
+def _quiet_pipeline() -> Iterator[None]:
+    """transformers' pipeline (which nnsight builds) logs an error listing every causal LM for a model that is
+    not one (glm5_next's image-text-to-text class, whose text stack deltalang serves): silenced while wrapping."""
+    log = logging.getLogger("transformers.pipelines.base")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 @contextmanager

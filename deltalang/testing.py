@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from . import families
+
 # 4 blocks: three DeltaNet, then attention, as the real checkpoints lay them out
 LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
 
 def _family_names() -> tuple[str, ...]:
-    from . import families
-
     return tuple(f.name for f in families.all_families())
 
 
@@ -67,8 +67,6 @@ def _config_class(family: str) -> Any:
     """The config class of `family`'s text model (the one with `layer_types`)."""
     from transformers import CONFIG_MAPPING
 
-    from . import families
-
     fam = families.by_name(family)
     classes = [CONFIG_MAPPING[t] for t in fam.model_types if t in CONFIG_MAPPING]
     text = [c for c in classes if "layer_types" in getattr(c, "__annotations__", {})]
@@ -78,8 +76,6 @@ def _config_class(family: str) -> Any:
 
 
 def _generic(family: str, common: dict, linear: dict, kda: dict, moe: dict, rope: dict) -> Any:
-    from . import families
-
     fields = kda if families.by_name(family).per_channel_decay else linear
     return _config_class(family)(intermediate_size=128, rope_parameters=rope, **common, **fields)
 
@@ -163,16 +159,12 @@ def load_hf(path: str | Path, **kwargs: Any) -> Any:
     """Plain transformers' model of a checkpoint, through the Auto class that builds its family."""
     from transformers import AutoConfig
 
-    from . import families
-
     config = AutoConfig.from_pretrained(path)
     return families.auto_class(config).from_pretrained(path, **kwargs)
 
 
 def build_tiny(family: str, path: str | Path, seed: int = 0) -> Path:
     """Write a random-weight checkpoint of `family` to `path` and return the path."""
-    from . import families
-
     path = Path(path)
     torch.manual_seed(seed)
     cfg = tiny_config(family)

@@ -28,7 +28,7 @@ from deltalang.sweep import DeltaSweepError, attribution, paths
 from deltalang.sweep.attribution import path_start, target_of
 from deltalang.sweep.job import measure_label
 from deltalang.sweep.recompute import capture_clean, prefix_reads
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import Reference, Write, set_to  # noqa: E402
@@ -44,7 +44,7 @@ def _m(record) -> float:
 
 
 def _hf(family: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family)).eval()
+    return load_hf(tiny_checkpoint(family)).eval()
 
 
 def _recorded(family: str, seed: int) -> tuple[Reference, families.Family, torch.Tensor, gradients.Recording]:
@@ -136,7 +136,7 @@ def model() -> deltalang.DeltaModel:
 
 
 def _exact(model: deltalang.DeltaModel, writes: list[Write]) -> float:
-    ref = Reference(AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen3_5")).eval())
+    ref = Reference(load_hf(tiny_checkpoint("qwen3_5")).eval())
     ids = torch.tensor([model.spec.token_ids(CLEAN)])
     a, b = model.spec.token_ids("P")[0], model.spec.token_ids("a")[0]
 
@@ -192,7 +192,7 @@ def test_refined_cells_are_the_exact_patches(model: deltalang.DeltaModel, tmp_pa
     assert got.variants == ["plain", "blk2"] and got.default == "blk2"
     refined = got.refined()
     assert len(refined) == 3
-    ref = Reference(AutoModelForCausalLM.from_pretrained(tiny_checkpoint("qwen3_5")).eval())
+    ref = Reference(load_hf(tiny_checkpoint("qwen3_5")).eval())
     donor = ref.run(torch.tensor([model.spec.token_ids(OTHER)]))
     for r in refined:
         state = donor.steps[0].states[r.block][r.position]

@@ -19,7 +19,7 @@ from reference import Record, Reference, Write, set_to
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 LONG = "The Eiffel Tower is in Paris"
 MID = "Tea time"  # MID and SAME have one length
@@ -34,7 +34,7 @@ PER_TOKEN = ("output", "attention_output", "attention_values", "attention_head_o
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
 def loaded(request: pytest.FixtureRequest) -> tuple[deltalang.DeltaModel, Reference]:
     path = tiny_checkpoint(request.param)
-    return deltalang.load_model(path), Reference(AutoModelForCausalLM.from_pretrained(path).eval())
+    return deltalang.load_model(path), Reference(load_hf(path).eval())
 
 
 def _ids(model: deltalang.DeltaModel, text: str) -> torch.Tensor:

@@ -32,7 +32,7 @@ import deltalang
 from deltalang.errors import DeltaModelError
 from deltalang.model import wrap_model
 from deltalang.sweep import run_sweep
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 from reference import Reference, Write, set_to
 
@@ -59,7 +59,7 @@ def device_map(hf: torch.nn.Module) -> dict[str, str]:
 def sharded(family: str, how: str, folder: Path) -> tuple[deltalang.DeltaModel, torch.nn.Module]:
     """(the sharded model, the unsharded transformers model)."""
     path = tiny_checkpoint(family)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = load_hf(path).eval()
     if how == "disk":
         spec = folder / "map.json"
         spec.write_text(json.dumps({"device_map": device_map(hf), "offload_folder": "offload"}))
@@ -67,7 +67,7 @@ def sharded(family: str, how: str, folder: Path) -> tuple[deltalang.DeltaModel, 
         assert (folder / "offload").is_dir()
         assert any(p.device.type == "meta" for p in model._module.parameters())
     else:
-        offloaded = AutoModelForCausalLM.from_pretrained(path).eval()
+        offloaded = load_hf(path).eval()
         accelerate.cpu_offload(offloaded, execution_device=torch.device("cpu"))
         assert all(p.device.type == "meta" for p in offloaded.parameters())
         model = wrap_model(offloaded, deltalang.load_model(path).tokenizer)
@@ -135,7 +135,7 @@ def test_a_run_with_donors_and_the_sweep_engine_equal_the_unsharded_model(family
 
 def test_the_command_line_takes_a_device_map_file(tmp_path: Path) -> None:
     path = tiny_checkpoint("qwen3_5")
-    hf = AutoModelForCausalLM.from_pretrained(path)
+    hf = load_hf(path)
     spec = tmp_path / "map.json"
     spec.write_text(json.dumps(device_map(hf)))  # a plain map: the disk part goes to a temporary folder
     program = 'prompt p = "The Eiffel Tower is in"\ntrace a on p { measure prob("P") }\n'

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang import families, kernels
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens
 
@@ -31,7 +31,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_states_equal_the_cache_after_every_token_of_a_70_token_prompt(family: str) -> None:
     path = tiny_checkpoint(family)
     model = deltalang.load_model(path)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = load_hf(path).eval()
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     n = ids.shape[1]
     assert n == 70
@@ -145,7 +145,7 @@ def test_blocks_reuse_one_states_buffer_only_when_nothing_holds_it(monkeypatch: 
 
     path = tiny_checkpoint("qwen3_5")
     model = deltalang.load_model(path)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = load_hf(path).eval()
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     layers = model.spec.linear_layers()
     assert len(layers) == 3
@@ -182,7 +182,7 @@ def test_blocks_reuse_one_states_buffer_only_when_nothing_holds_it(monkeypatch: 
 def test_states_of_a_bfloat16_model_are_float32_and_equal_its_cache(family: str) -> None:
     path = tiny_checkpoint(family)
     model = deltalang.load_model(path, dtype="bfloat16")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = load_hf(path, dtype=torch.bfloat16).eval()
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     layers = model.spec.linear_layers()
     got: dict[int, torch.Tensor] = {}

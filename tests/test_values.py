@@ -14,7 +14,8 @@ import deltalang
 from deltalang import kernels
 from deltalang.compat import cache_kwargs
 from deltalang.errors import DeltaValueError
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang.spec import text_config
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"  # 22 byte tokens
 OTHER = "My favourite food is pizza"
@@ -29,7 +30,7 @@ def family(request: pytest.FixtureRequest) -> str:
 def loaded(family: str) -> tuple[deltalang.DeltaModel, torch.nn.Module]:
     path = tiny_checkpoint(family)
     model = deltalang.load_model(path)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = load_hf(path).eval()
     return model, hf
 
 
@@ -116,7 +117,7 @@ def test_inputs_of_the_delta_rule(loaded: tuple, family: str) -> None:
     assert q.shape == k.shape == (1, n, d["heads"], d["key_dim"])
     assert v.shape == y.shape == (1, n, d["heads"], d["value_dim"])
     assert g.dtype == torch.float32 and bool((g <= 0).all())
-    assert g.shape == ((1, n, d["heads"], d["key_dim"]) if family == "kimi_linear" else (1, n, d["heads"]))
+    assert g.shape == ((1, n, d["heads"], d["key_dim"]) if model.family.per_channel_decay else (1, n, d["heads"]))
     # the betas served are the ones transformers' own forward gives its kernel
     truth = _kernel_betas(model, hf, _ids(model, PROMPT))
     assert len(truth) == len(model.spec.linear_layers())
@@ -126,7 +127,7 @@ def test_inputs_of_the_delta_rule(loaded: tuple, family: str) -> None:
     if family == "olmo_hybrid":  # (0, 2): the 2x scale is applied, and these weights reach past 1
         assert hf.config.linear_allow_neg_eigval
         assert float(b.max()) > 1.0
-    assert o.shape == (1, n, model.config.hidden_size)
+    assert o.shape == (1, n, text_config(model.config).hidden_size)
 
 
 def _reference_logits(model: deltalang.DeltaModel, hf: torch.nn.Module, ids: torch.Tensor, t: int,

@@ -22,7 +22,7 @@ from deltalang import kernels, mixer
 from deltalang.compat import cache_kwargs
 from deltalang.model import wrap_model
 from deltalang.spec import load_tokenizer
-from deltalang.testing import tiny_checkpoint
+from deltalang.testing import load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"
 OTHER = "My favourite food is pizza"
@@ -74,7 +74,7 @@ def _check_write(model: deltalang.DeltaModel, truth: torch.nn.Module, t: int = 8
 @pytest.fixture(scope="module")
 def truth() -> dict[str, torch.nn.Module]:
     """Plain transformers models, never wrapped: the ground truth."""
-    return {fam: AutoModelForCausalLM.from_pretrained(tiny_checkpoint(fam)).eval()
+    return {fam: load_hf(tiny_checkpoint(fam)).eval()
             for fam in ("qwen3_5", "kimi_linear")}
 
 
@@ -86,7 +86,7 @@ def truth() -> dict[str, torch.nn.Module]:
 @pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])  # kimi: the mixer is renamed
 def test_two_wrappers_of_one_model_both_work_in_any_order(family: str, truth: dict) -> None:
     path = tiny_checkpoint(family)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = load_hf(path).eval()
     first = wrap_model(hf, load_tokenizer(path, False))
     second = wrap_model(hf, load_tokenizer(path, False))  # the notebook cell, run again
     for model in (second, first, first, second, first):
@@ -98,7 +98,7 @@ def test_two_wrappers_of_one_model_both_work_in_any_order(family: str, truth: di
 
 def test_a_dropped_wrapper_is_not_kept_alive_and_the_others_still_work(truth: dict) -> None:
     path = tiny_checkpoint("qwen3_5")
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = load_hf(path).eval()
     kept = wrap_model(hf, load_tokenizer(path, False))
     dropped = wrap_model(hf, load_tokenizer(path, False))
     _check_reads(dropped, truth["qwen3_5"])

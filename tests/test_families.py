@@ -1,0 +1,168 @@
+"""Families are recognised from transformers' code, not from a list.
+
+Checked against transformers itself: the kernel each found mixer really calls in a
+plain forward (its dims), and a family deltalang has never seen — a copy of a
+modeling module under a new name, registered with transformers' Auto classes —
+served with no change to deltalang, against that copy's own cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import deltalang
+from deltalang import families, kernels
+from deltalang.errors import DeltaModelError
+from deltalang.model import decoder_layers
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+
+PROMPT = "The Eiffel Tower is in"
+
+
+def test_every_module_wrapping_a_delta_rule_kernel_is_found() -> None:
+    import transformers
+
+    root = Path(transformers.__file__).parent / "models"
+    wrapped = re.compile(r'use_kernel_func_from_hub_with_fallback\(\s*"(chunk_gated_delta_rule|chunk_kda)"')
+    expected = {p.parent.name for p in root.glob("*/modeling_*.py") if wrapped.search(p.read_text())}
+    assert expected >= {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear"}
+    assert set(FAMILY_NAMES) == expected
+    assert families.unserved() == ()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_dims_are_what_the_kernel_receives_in_transformers(family: str) -> None:
+    """The mixer class, its attribute and the dims read off the config, against a plain forward's call."""
+    path = tiny_checkpoint(family)
+    spec = deltalang.load_spec(path)
+    fam = spec.family
+    hf = load_hf(path).eval()
+    module = importlib.import_module(fam.module_name)
+    seen: list[dict[str, tuple[int, ...]]] = []
+    bound = getattr(module, fam.chunk_kernel)
+    original = kernels.original(fam, fam.chunk_kernel)
+
+    def recorder(query, key, value, g, beta, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append({"q": tuple(query.shape), "v": tuple(value.shape), "g": tuple(g.shape)})
+        return original(query, key, value, g, beta, *args, **kwargs)
+
+    setattr(module, fam.chunk_kernel, recorder)
+    try:
+        with torch.no_grad():
+            hf(spec.tokenizer(PROMPT, return_tensors="pt").input_ids, use_cache=False)
+    finally:
+        setattr(module, fam.chunk_kernel, bound)
+    d = spec.dims
+    assert len(seen) == len(spec.linear_layers()) > 0
+    for call in seen:
+        assert call["q"][2:] == (d["key_heads"], d["key_dim"])
+        assert call["v"][2:] == (d["heads"], d["value_dim"])
+        assert call["g"][2:] == ((d["heads"], d["key_dim"]) if fam.per_channel_decay else (d["heads"],))
+    blocks = decoder_layers(hf)
+    for i in spec.linear_layers():
+        mixer = getattr(blocks[i], fam.mixer_attr)
+        assert type(mixer).__name__ == fam.mixer_class
+        assert mixer.conv1d.weight.shape[0] == d["conv_dim"] and mixer.conv1d.weight.shape[-1] == d["conv_width"]
+
+
+def test_a_mamba2_hybrid_is_not_taken_for_a_delta_rule(tmp_path: Path) -> None:
+    """granitemoehybrid names its Mamba-2 layers `linear_attention`: refused in one line, not served wrong."""
+    from transformers import GraniteMoeHybridConfig
+
+    GraniteMoeHybridConfig(num_hidden_layers=2, hidden_size=64, mamba_n_heads=8).save_pretrained(
+        tmp_path)
+    with pytest.raises(DeltaModelError, match="not a supported hybrid") as err:
+        deltalang.load_spec(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def _copy_family(tmp_path: Path, source: str, new: str, drop: str | None = None) -> str:
+    """Copy transformers' `source` modeling and configuration modules as package `new`, every name renamed."""
+    import transformers
+
+    src = Path(transformers.__file__).parent / "models" / source
+    old_cls = {"qwen3_5": "Qwen3_5", "kimi_linear": "KimiLinear"}[source]
+    new_cls = "".join(p.capitalize() for p in new.split("_"))
+    pkg = tmp_path / new
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for kind in ("configuration", "modeling"):
+        text = (src / f"{kind}_{source}.py").read_text()
+        text = text.replace("from ... import", "from transformers import").replace("from ...", "from transformers.")
+        text = text.replace("from ..auto import", "from transformers.models.auto import")
+        text = text.replace(f"from .configuration_{source} import",
+                                                                      f"from {new}.configuration_{new} import")
+        text = text.replace(old_cls, new_cls).replace(source, new)
+        if drop is not None:  # a module that does not show one of its kernels
+            text = text.replace(f'@use_kernel_func_from_hub_with_fallback("{drop}", "fla")\n', "")
+        (pkg / f"{kind}_{new}.py").write_text(text)
+    sys.path.insert(0, str(tmp_path))
+    return new_cls
+
+
+def _register(new: str, new_cls: str, text: bool) -> tuple[type, type]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_mod = importlib.import_module(f"{new}.configuration_{new}")
+    model_mod = importlib.import_module(f"{new}.modeling_{new}")
+    config_cls = getattr(config_mod, f"{new_cls}TextConfig" if text else f"{new_cls}Config")
+    model_cls = getattr(model_mod, f"{new_cls}ForCausalLM")
+    AutoConfig.register(config_cls.model_type, config_cls)
+    AutoModelForCausalLM.register(config_cls, model_cls)
+    return config_cls, model_cls
+
+
+def test_a_family_never_seen_but_built_on_the_same_kernels_works_unchanged(tmp_path: Path) -> None:
+    from deltalang.testing import _enlarge_random_weights, byte_tokenizer, tiny_config
+
+    new_cls = _copy_family(tmp_path, "qwen3_5", "zeta_hybrid")
+    config_cls, model_cls = _register("zeta_hybrid", new_cls, text=True)
+    base = tiny_config("qwen3_5").to_dict()
+    base.pop("model_type", None)
+    base.pop("architectures", None)
+    cfg = config_cls(**{k: v for k, v in base.items() if k in config_cls.__annotations__ or k.endswith("_id")})
+    torch.manual_seed(0)
+    hf = model_cls(cfg).eval()
+    _enlarge_random_weights(hf)
+    path = tmp_path / "checkpoint"
+    hf.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+
+    model = deltalang.load_model(path)
+    assert model.family.name == "zeta_hybrid_text" and model.family.mixer_class == f"{new_cls}GatedDeltaNet"
+    assert model.family.module_name == "zeta_hybrid.modeling_zeta_hybrid"
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    layers = model.spec.linear_layers()
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with torch.no_grad(), model.trace(PROMPT):
+        for i in layers:
+            got[i] = (model.layers[i].linear_attn.states.save(), model.layers[i].linear_attn.state_after(6).save())
+    truth = load_hf(path).eval()
+    with torch.no_grad():
+        cache = truth(ids[:, :7], use_cache=True).past_key_values
+    for i in layers:
+        torch.testing.assert_close(got[i][1], cache.get_recurrent_state(i), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[i][0][:, 6], cache.get_recurrent_state(i), atol=1e-5, rtol=0)
+    # a write reaches the later tokens, as in the family it was copied from
+    with torch.no_grad(), model.trace(PROMPT):
+        model.layers[layers[0]].linear_attn.set_state_after(6, torch.zeros_like(got[layers[0]][1]))
+        patched = model.next_token_probs.save()
+    with torch.no_grad(), model.trace(PROMPT):
+        clean = model.next_token_probs.save()
+    assert not torch.allclose(patched, clean)
+
+
+def test_a_module_that_hides_a_kernel_is_one_line_saying_what_is_missing(tmp_path: Path) -> None:
+    new_cls = _copy_family(tmp_path, "kimi_linear", "hidden_kda", drop="fused_recurrent_kda")
+    config_cls, _ = _register("hidden_kda", new_cls, text=False)
+    config_cls(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]).save_pretrained(
+        tmp_path / "ckpt")
+    with pytest.raises(DeltaModelError, match="fused_recurrent_kda") as err:
+        deltalang.load_spec(tmp_path / "ckpt")
+    assert "cannot serve" in str(err.value) and "\n" not in str(err.value)
