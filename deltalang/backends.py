@@ -21,6 +21,19 @@ so nothing changes when FLA is not installed. Compiled code bound without a refe
 `auto` mode wherever it is called; `pick` returns None only where nothing can serve: such code in
 `reference` mode.
 
+What the wrapper does not keep, `not_bound(b)` finds out: transformers swallows the import's
+exception (`except Exception: implementation = torch_function`) and records nothing, so where the
+package is installed (`importlib.metadata`) and was not bound, the import is tried again here,
+guarded, once per function, and its error given in one line ("flash-linear-attention 0.5.2 is
+installed but not bound: ValueError: ... (triton 3.9.0); transformers runs its torch kernels").
+
+FLA 0.6 hands `chunk_gated_delta_rule` to FlashQLA where that package is installed (SM90+, bf16/fp16,
+K = V = 128; `FLA_FLASH_QLA=0` turns it off). FlashQLA passes `initial_state` / `output_final_state`
+through, but on a batch of one it may cut the sequence into pieces whose starting states come from a
+warm-up over recent chunks only (an approximation), and nothing here can test it; so where FlashQLA
+is installed, the compiled implementation deltalang calls is FLA's own Triton kernel:
+`FLA_FLASH_QLA=0` for the duration of each call (`Backend.handoff` names FlashQLA; docs/gpu.md).
+
 `per_sequence(fn, cu_seqlens, ...)` runs a delta-rule kernel once per packed sequence
 (`cu_seqlens`, batch 1, one initial state per sequence) and joins the results: what FLA does with
 `cu_seqlens`, for a kernel (the torch reference) that would otherwise merge the sequences.
@@ -28,6 +41,11 @@ so nothing changes when FLA is not installed. Compiled code bound without a refe
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -48,6 +66,8 @@ class Backend:
     reference: Callable[..., Any] | None  # transformers' pure-torch function
     compiled: Callable[..., Any] | None  # what runs the compiled implementation (None: torch only)
     name: str  # the compiled implementation in words ("fla chunk_gated_delta_rule"), "" if none
+    tried: tuple[str, str] | None = None  # (package, function) transformers tried to import and did not bind
+    handoff: str = ""  # a package the compiled one would hand calls to, turned off for them ("FlashQLA")
 
     def pick(self, device: torch.device | str | None) -> Callable[..., Any] | None:
         """The function a call on `device` runs under the current mode (None: nothing can serve it)."""
@@ -80,11 +100,14 @@ def of(fn: Callable[..., Any]) -> Backend:
         closure = _closure(f)
         if "implementation" in closure and "torch_function" in closure:
             impl, ref = closure["implementation"], closure["torch_function"]
+            package, func = closure.get("package"), closure.get("func_name")
             if impl is ref or not callable(impl):
-                return Backend(fn, ref, None, "")
-            package = closure.get("package")
-            name = closure.get("func_name") or getattr(impl, "__name__", "implementation")
+                tried = (package, func) if isinstance(package, str) and isinstance(func, str) else None
+                return Backend(fn, ref, None, "", tried)
+            name = func or getattr(impl, "__name__", "implementation")
             label = f"{package} {name}" if isinstance(package, str) else _where(impl)
+            if (package, name) == ("fla", "chunk_gated_delta_rule") and flash_qla_version():
+                return Backend(fn, ref, _without_flash_qla(fn), label, handoff=FLASH_QLA)
             return Backend(fn, ref, fn, label)
         f = getattr(f, "__wrapped__", None)
         seen += 1
@@ -125,6 +148,99 @@ def _is_transformers_torch(fn: Any) -> bool:
 
 def _where(fn: Any) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+FLASH_QLA = "FlashQLA"
+FLASH_QLA_ENV = "FLA_FLASH_QLA"
+_DISTRIBUTIONS = {"fla": "flash-linear-attention", "flash_qla": "flash-qla"}
+_PROBES: dict[tuple[str, str], str] = {}  # (package, function) -> why its import failed
+
+
+def installed_version(distribution: str) -> str | None:
+    """The installed version of a distribution, None if it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def flash_qla_version() -> str | None:
+    """FlashQLA's version where FLA would find it (FLA looks for the module `flash_qla`), else None."""
+    try:
+        found = importlib.util.find_spec("flash_qla") is not None
+    except (ImportError, ValueError):
+        found = False
+    return (installed_version(_DISTRIBUTIONS["flash_qla"]) or "(version unknown)") if found else None
+
+
+def flash_qla_on() -> bool:
+    """Whether FLA would hand `chunk_gated_delta_rule` calls to FlashQLA (where the GPU and inputs suit it)."""
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":  # FLA's switch for every handoff
+        return False
+    return os.environ.get(FLASH_QLA_ENV, "1") != "0" and flash_qla_version() is not None
+
+
+def _without_flash_qla(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (FLA's chunk kernel bound by transformers) with FLA's handoff to FlashQLA off for each call.
+
+    FLA reads `FLA_FLASH_QLA` at every call; it is set to "0" for the call and put back after.
+    """
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = os.environ.get(FLASH_QLA_ENV)
+        os.environ[FLASH_QLA_ENV] = "0"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if before is None:
+                os.environ.pop(FLASH_QLA_ENV, None)
+            else:
+                os.environ[FLASH_QLA_ENV] = before
+
+    return run
+
+
+def note(b: Backend) -> str:
+    """What `describe` leaves out, in one line: a package installed but not bound, or FLA's FlashQLA handoff."""
+    if b.handoff == FLASH_QLA and flash_qla_on():
+        return (f"FlashQLA {flash_qla_version()} is installed: FLA hands chunk_gated_delta_rule to it on SM90+ "
+                f"GPUs (bf16/fp16, K = V = 128); deltalang's calls run FLA's Triton kernel instead "
+                f"({FLASH_QLA_ENV}=0 for each call: docs/gpu.md)")
+    return not_bound(b)
+
+
+def not_bound(b: Backend) -> str:
+    """One line where the package transformers tried is installed but not bound (its import error), else ""."""
+    if b.compiled is not None or b.tried is None:
+        return ""
+    package, func = b.tried
+    dist = _DISTRIBUTIONS.get(package, package.replace("_", "-"))
+    version = installed_version(dist)
+    if version is None:
+        return ""
+    if b.tried not in _PROBES:
+        _PROBES[b.tried] = _import_error(package, func)
+    return f"{dist} {version} is installed but not bound: {_PROBES[b.tried]}; transformers runs its torch kernels"
+
+
+def _import_error(package: str, func: str) -> str:
+    """Import `func` as transformers does (the package, then its internal module); why it fails, in words."""
+    try:
+        from transformers.integrations import hub_kernels
+        internal = getattr(hub_kernels, "_KERNELS_INTERNAL_PATH_MAPPINGS", {}).get(func)
+    except Exception:  # noqa: BLE001  (transformers' internals moved: import the package alone)
+        internal = None
+    module = f"{package}.{internal}" if internal else package
+    try:
+        found = getattr(importlib.import_module(module), func, None)
+    except Exception as e:  # noqa: BLE001  (whatever the import raises is the answer)
+        text = str(e).strip().splitlines()
+        line = f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+        triton = installed_version("triton")
+        return f"{line} ({f'triton {triton}' if triton else 'triton is not installed'})"
+    if found is None:
+        return f"{module} has no {func}"
+    return f"{module} imports now, but did not when transformers imported the model's code (restart the process)"
 
 
 def mode() -> str:

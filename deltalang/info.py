@@ -6,7 +6,10 @@ compiled kernel without Python source); `served_by` names what computes a value
 (the torch reference, or FLA's kernel on CUDA tensors where FLA is installed:
 `deltalang.backends`); `support_table` is `DeltaModel.support()` (with
 `kernels=True`, each available entry names what serves it); `format_info` is the
-table `deltalang info` prints.
+table `deltalang info` prints. `kernel_notes` is what the kernels' names leave out,
+one line each (`backends.note`): a package installed but not bound, with its import
+error, or FLA's handoff to FlashQLA, which deltalang turns off for its calls; `info`
+prints them and `support(kernels=True)` appends them to what serves a kernel's value.
 """
 
 from __future__ import annotations
@@ -33,27 +36,46 @@ def kernel_names(spec: ModelSpec) -> tuple[str, str]:
     return prompt, decode
 
 
+def kernel_notes(spec: ModelSpec) -> list[str]:
+    """One line per thing the kernels' names leave out (`backends.note`), each once."""
+    fam = spec.family
+    out: list[str] = []
+    for name in (fam.chunk_kernel, fam.recurrent_kernel, fam.conv_fn, fam.conv_update):
+        line = backends.note(kernels.backend(fam, name))
+        if line and line not in out:
+            out.append(line)
+    return out
+
+
 def _named(impl: backends.Backend, torch_words: str) -> str:
     """A kernel in words: `torch_words` for the torch reference, else the implementation and where it runs."""
     words = impl.describe()
     return torch_words if words == "torch reference" else words.replace("torch reference", torch_words)
 
 
-def served_by(spec: ModelSpec, name: str) -> str:
-    """What computes value `name` of a DeltaNet block on this process, in words."""
+def served_by(spec: ModelSpec, name: str, notes: bool = True) -> str:
+    """What computes value `name` of a DeltaNet block on this process, in words (`notes`: with `kernel_notes`)."""
     fam = spec.family
     v = values.CATALOGUE[name]
     if name in ("states", "states_as_run"):
         return "deltalang's chunked delta rule (torch, any device)"
     if name.startswith("conv_window"):
-        return "convolution: " + kernels.backend(fam, fam.conv_fn).describe()
+        words = "convolution: " + kernels.backend(fam, fam.conv_fn).describe()
+        return _noted(words, fam.conv_fn, spec) if notes else words
     if not v.kernel:
         return "the model's forward"
     if kernels.current_route(fam) == "torch":
         return "deltalang's token-by-token delta rule (route torch)"
     prompt = kernels.backend(fam, fam.chunk_kernel).describe()
     decode = kernels.backend(fam, fam.recurrent_kernel).describe()
-    return f"prompt: {prompt}; decode step: {decode}" if prompt != decode else prompt
+    words = f"prompt: {prompt}; decode step: {decode}" if prompt != decode else prompt
+    return _noted(_noted(words, fam.chunk_kernel, spec), fam.recurrent_kernel, spec) if notes else words
+
+
+def _noted(words: str, kernel: str, spec: ModelSpec) -> str:
+    """`words` with the kernel's note, if it has one not already there (`backends.note`)."""
+    line = backends.note(kernels.backend(spec.family, kernel))
+    return f"{words} ({line})" if line and line not in words else words
 
 
 def status(spec: ModelSpec, layer: int, name: str) -> str:
@@ -131,10 +153,12 @@ def format_info(spec: ModelSpec) -> str:
         for reason, mark in reasons.items():
             console.print(f"{mark} {reason}")
         console.print("model values: " + ", ".join(values.MODEL_VALUES))
+        for line in kernel_notes(spec):
+            console.print(f"kernels: {line}", soft_wrap=True)
         if spec.linear_layers():
             console.print("served by (CUDA tensors go to a compiled kernel where one is installed, "
                           "others to the torch reference):")
             for name, v in values.CATALOGUE.items():
                 if name not in values.MODEL_VALUES:
-                    console.print(f"  {name}: {served_by(spec, name)}")
+                    console.print(f"  {name}: {served_by(spec, name, notes=False)}")
     return cap.get()
