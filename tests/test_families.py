@@ -166,3 +166,38 @@ def test_a_module_that_hides_a_kernel_is_one_line_saying_what_is_missing(tmp_pat
     with pytest.raises(DeltaModelError, match="fused_recurrent_kda") as err:
         deltalang.load_spec(tmp_path / "ckpt")
     assert "cannot serve" in str(err.value) and "\n" not in str(err.value)
+
+
+RECORDS = [  # byte tokens: one-character answers are one token
+    {"prompt": "The Eiffel Tower is in", "corrupt": "My favourite food is pi", "subject": "Tower", "answer": "P",
+     "foil": "R"},
+    {"prompt": "A big Colosseum is in", "corrupt": "Some pizza is nice wi", "subject": "Colosseum", "answer": "R",
+     "foil": "P"},
+    {"prompt": "Big Ben is in", "corrupt": "The sky is so", "subject": "Ben", "answer": "L", "foil": "P"},
+]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_a_dataset_run_on_every_family_equals_transformers(family: str) -> None:
+    """Records of different lengths share left-padded forwards; each equals its own patch in transformers."""
+    from reference import Reference, Write, set_to
+
+    path = tiny_checkpoint(family)
+    model = deltalang.load_model(path)
+    src = ("trace t on facts {\n    write L[linear].state_after(facts.subject) from facts.corrupt\n"
+           "    measure logit_diff(facts.answer, facts.foil)\n}\n")
+    out = deltalang.run(src, model, data={"facts": RECORDS})
+    got = out.values("t.logit_diff(facts.answer, facts.foil)")
+    assert len(got) == len(RECORDS) and not out.skipped
+    ref = Reference(load_hf(path).eval())
+    tok = model.tokenizer
+    for r, value in zip(RECORDS, got):
+        end = r["prompt"].index(r["subject"]) + len(r["subject"])
+        pos = len(tok(r["prompt"][:end]).input_ids) - 1
+        corrupt = ref.run(tok(r["corrupt"], return_tensors="pt").input_ids)
+        writes = [Write(i, "state_after", set_to(corrupt.value(i, "state_after", pos)), position=pos)
+                  for i in ref.linear]
+        logits = ref.run(tok(r["prompt"], return_tensors="pt").input_ids, writes).value(None, "logits")[0, -1]
+        a, b = (tok(r[k]).input_ids[0] for k in ("answer", "foil"))
+        want = float(logits[a] - logits[b])
+        assert value == pytest.approx(want, abs=1e-3 * max(1.0, abs(want))), (family, r["subject"])
