@@ -10,14 +10,15 @@ shows them. What `deltalang check` prints is `deltalang.explain.format_resolved`
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from . import ast
-from .errors import DeltaError, DeltaModelError, warn
-from .parse import parse
+from .errors import DeltaError, DeltaErrors, DeltaModelError, warn
+from .parse import Partial, parse_partial
 from .ir import Resolved
-from .resolve import resolve
+from .resolve import resolve, uses_dataset
 from .spec import ModelSpec, load_spec
 
 
@@ -50,7 +51,10 @@ def check(text: str, model: Any = None, *, filename: str = "<program>", prompt: 
     `program`: `text` already parsed (`Experiment.from_source` parsed it to find its `model` line).
     """
     if program is None:
-        program = parse(text, filename)
+        partial = parse_partial(text, filename)
+        if partial.errors:
+            raise _with_resolve_errors(partial, model, text, filename, prompt, trust_remote_code)
+        program = partial.program
     try:
         spec = _spec_for(model, program, trust_remote_code)
         resolved = resolve(program, spec, prompt_override=prompt, source=text, filename=filename)
@@ -59,3 +63,35 @@ def check(text: str, model: Any = None, *, filename: str = "<program>", prompt: 
     for w in resolved.warnings:
         warn(w)
     return resolved
+
+
+def _with_resolve_errors(partial: Partial, model: Any, text: str, filename: str, prompt: str | None,
+                         trust_remote_code: bool) -> DeltaError:
+    """The syntax errors and, when only statements failed, the resolver's errors of the rest of the program:
+    every independent error of one pass at once (mypy's way), not those the left-out statements explain (a
+    name their `as` defines, a sweep variable they use, nothing left to run)."""
+    errors = list(partial.errors)
+    if partial.statements_only and not uses_dataset(partial.program):
+        try:
+            resolve(partial.program, _spec_for(model, partial.program, trust_remote_code), prompt_override=prompt,
+                    source=text, filename=filename)
+        except DeltaErrors as e:
+            errors.extend(x for x in e.errors if not _explained(x, partial.dropped))
+        except DeltaModelError:
+            pass  # the model cannot be loaded: the syntax errors alone
+        except DeltaError as e:
+            errors.extend([e] if not _explained(e, partial.dropped) else [])
+    errors.sort(key=lambda e: (e.span.line, e.span.column) if e.span else (0, 0))
+    for e in errors:
+        e.located(text, filename)
+    return errors[0] if len(errors) == 1 else DeltaErrors(errors)
+
+
+def _explained(error: DeltaError, dropped: tuple[str, ...]) -> bool:
+    """Whether a resolver error may come from the statements the parser left out rather than from its own line."""
+    if "nothing to run" in error.message:
+        return True
+    defined = {m for d in dropped for m in re.findall(r"\bas\s+([A-Za-z_]\w*)", d)}
+    words = {w for d in dropped for w in re.findall(r"[A-Za-z_]\w*", d)}
+    quoted = set(re.findall(r"'([^']+)'", error.message))
+    return bool(quoted & defined) or ("never used" in error.message and bool(quoted & words))

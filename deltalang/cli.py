@@ -221,12 +221,9 @@ def emit_main(args: argparse.Namespace) -> int:
 
 def run_main(args: argparse.Namespace) -> int:
     """`deltalang run FILE [--out DIR]`: run a program, print its results (a program with sweeps: `sweep_main`)."""
-    from .parse import parse
-    from .resolve import uses_dataset
-
     t0 = time.perf_counter()
     source, filename = read_program(args)
-    if uses_dataset(parse(source, filename)):
+    if _over_dataset(source, filename):  # a syntax error: `_experiment` reports it beside the resolver's errors
         return dataset_main(args, source, filename)
     exp = _experiment(args, (source, filename))
     if exp.has_sweeps:

@@ -94,7 +94,11 @@ class Experiment:
                     prompt: str | None = None, batch: bool = True,
                     sweep_driver: Callable[[Experiment], Results] | None = None, **kw: Any) -> Experiment:
         """Parse (once), check, plan and emit `source` against `model_for(source, model, **kw)`."""
-        program = parse(source, filename) if model is None else None
+        try:
+            program = parse(source, filename) if model is None else None
+        except DeltaError:  # beside the syntax errors, the resolver's errors of the rest (`check` raises them all)
+            check(source, None, filename=filename, prompt=prompt, trust_remote_code=kw.get("trust_remote_code", False))
+            raise
         return cls(source, model_for(source, model, filename, program=program, **kw), filename=filename,
                    prompt=prompt, batch=batch, program=program, sweep_driver=sweep_driver)
 

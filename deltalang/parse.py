@@ -70,16 +70,53 @@ def _lark() -> Lark:
 
 def parse(text: str, filename: str = "<program>") -> ast.Program:
     """Parse a program. Raises DeltaSyntaxError (or DeltaErrors) located in `text`."""
+    partial = parse_partial(text, filename)
+    if partial.errors:
+        errs = list(partial.errors)
+        raise (errs[0] if len(errs) == 1 else DeltaErrors(errs)).located(text, filename)
+    return partial.program
+
+
+@attrs.frozen
+class Partial:
+    """A program parsed as far as it goes: what was built, each statement's error (located), and what was left out.
+
+    `program` lacks the items and statements that failed (`dropped`: their source text); `statements_only`:
+    every one of them is a statement (read, write, measure, route, step), no declaration or run, so the
+    rest of the program can be checked beside their errors.
+    """
+
+    program: ast.Program
+    errors: tuple[DeltaError, ...]
+    dropped: tuple[str, ...]
+    statements_only: bool
+
+
+_STATEMENT_RULES = ("read", "write", "measure", "route", "step")
+
+
+def parse_partial(text: str, filename: str = "<program>") -> Partial:
+    """Parse a program, keeping what builds when some statements fail. A text Lark cannot parse at all raises."""
     try:
         tree = _lark().parse(text)
     except UnexpectedInput as e:
         raise _from_lark(e, text).located(text, filename) from None
     builder = _Builder(text)
     program = builder.program(tree)
-    if builder.errors:
-        errs: list[DeltaError] = sorted(builder.errors, key=_err_key)
-        raise (errs[0] if len(errs) == 1 else DeltaErrors(errs)).located(text, filename)
-    return program
+    errs: list[DeltaError] = sorted(builder.errors, key=_err_key)
+    for e in errs:
+        e.located(text, filename)
+    dropped = tuple(_source_of(text, builder.span(n)) for n in builder.dropped)
+    return Partial(program, tuple(errs), dropped, all(n.data in _STATEMENT_RULES for n in builder.dropped))
+
+
+def _source_of(text: str, span: Span) -> str:
+    lines = text.split("\n")[span.line - 1:span.end_line]
+    if not lines:
+        return ""
+    if len(lines) == 1:
+        return lines[0][span.column - 1:span.end_column - 1]
+    return "\n".join([lines[0][span.column - 1:], *lines[1:-1], lines[-1][:span.end_column - 1]])
 
 
 def _err_key(e: DeltaError) -> tuple[int, int]:
@@ -326,6 +363,7 @@ class _Builder:
     def __init__(self, text: str) -> None:
         self.text = text
         self.errors: list[DeltaError] = []
+        self.dropped: list[Node] = []  # the items and statements left out for their errors
 
     # -- helpers --
 
@@ -385,6 +423,8 @@ class _Builder:
             node = self.collect(functools.partial(self.item, child, None))
             if node is not None:
                 items.append(node)
+            else:
+                self.dropped.append(child)
         return ast.Program(tuple(items), comments=tuple(_comments(self.text)), span=self.span(tree))
 
     def item(self, tree: Node, context: Node | None, in_step: bool = False) -> Any:
@@ -448,6 +488,8 @@ class _Builder:
             node = self.collect(functools.partial(self.item, child, run))
             if node is not None:
                 out.append(node)
+            else:
+                self.dropped.append(child)
         return tuple(out)
 
     def trace(self, tree: Node) -> ast.Trace:

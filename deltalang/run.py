@@ -65,7 +65,12 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
     """
     if remote:
         raise DeltaError(REMOTE_REFUSAL)
-    program = parse(source, filename)
+    try:
+        program = parse(source, filename)
+    except DeltaError:  # beside the syntax errors, the resolver's errors of the rest (`compile` raises them all)
+        if data is None:
+            compile(source, model, filename=filename, prompt=prompt)
+        raise
     if data is not None or uses_dataset(program):
         if prompt is not None:
             raise DeltaError("prompt= does not apply to a program over a dataset: its prompts are the records'")

@@ -50,6 +50,7 @@ from ..ir import Resolved, ResolvedRun
 from ..spec import ModelSpec
 from .dataset import check_over, expand, uses_dataset
 from .declare import declare
+from .effects import warn_unread
 from .runs import Draft, implicit_run, resolve_main, resolve_run
 from .scope import Scope
 from .sources import finish_deferred
@@ -135,6 +136,7 @@ def resolve_program(scope: Scope) -> Resolved:
             if isinstance(decl, ast.PromptDecl):
                 runs.append(implicit_run(scope, decl))
         runs.extend(d.build() for d in drafts.get(i, []))
+    warn_unread(scope, runs)
     if scope.errors:
         errs = sorted(scope.errors, key=lambda e: (e.span.line, e.span.column) if e.span else (0, 0))
         raise errs[0] if len(errs) == 1 else DeltaErrors(list(errs))

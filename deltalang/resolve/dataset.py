@@ -34,7 +34,7 @@ import attrs
 
 from .. import ast
 from ..datasets import Dataset, Record
-from ..errors import DeltaError, DeltaResolveError, Span
+from ..errors import DeltaError, DeltaErrors, DeltaResolveError, Span
 from ..ir import ResolvedMeasure, measure_call_text, measure_result_name, site_text
 from ..spec import ModelSpec
 from ..tokens import tokenize
@@ -144,20 +144,26 @@ def prompt_use(program: ast.Program, runs: list[Any], ds_name: str) -> Span | No
 
 
 def _check_fields(ds: Dataset, used: list[tuple[str, Span]]) -> None:
-    """Every field used is in some record (else unknown) and in every record (else the first without it)."""
+    """Every field used is in some record (else unknown) and in every record (else the first without it):
+    every such error of the program at once, in source order."""
     have = ds.fields
-    for field, span in used:
+    errors: list[DeltaError] = []
+    for field, span in dict.fromkeys(used):
         if field not in have:
             guess = difflib.get_close_matches(field, have, n=1)
             hint = f"did you mean '{guess[0]}'? " if guess else ""
             why = ("this uses the records' prompt: a run on the dataset itself, the dataset named as a run, or a "
                    "position from a field (a token number of the prompt)",) if field == PROMPT_FIELD else ()
-            raise _fail(f"no record of '{ds.name}' has a field '{field}': {hint}its fields are "
-                        f"{', '.join(have)}", span, notes=why)
+            errors.append(_fail(f"no record of '{ds.name}' has a field '{field}': {hint}its fields are "
+                                f"{', '.join(have)}", span, notes=why))
+            continue
         missing = next((r for r in ds.records if field not in r.fields), None)
         if missing is not None:
-            raise _fail(f"record {missing.index + 1} of '{ds.name}' ({ds.where(missing)}) has no field '{field}'",
-                        span)
+            errors.append(_fail(f"record {missing.index + 1} of '{ds.name}' ({ds.where(missing)}) has no field "
+                                f"'{field}'", span))
+    errors.sort(key=lambda e: (e.span.line, e.span.column) if e.span else (0, 0))
+    if errors:
+        raise errors[0] if len(errors) == 1 else DeltaErrors(errors)
 
 
 def expand(program: ast.Program, ds: Dataset, record: Record, spec: ModelSpec | None = None) -> ast.Program:

@@ -17,10 +17,12 @@ import attrs
 
 from .. import ast, values
 from ..errors import Span
+from ..spec import text_config
 from ..ir import (ResolvedMeasure, ResolvedOp, ResolvedRun, SweepAxis, measure_call_text, measure_result_name,
                   op_result_name, site_text)
 from ..tokens import token_id
-from .scope import Ctx, Fail, Scope, Target, did_you_mean
+from .effects import check_write
+from .scope import Ctx, Fail, Scope, Target, did_you_mean, n_tokens
 from .sites import expand, index, piece, targets
 from .sources import is_pending, run_target, write_source
 
@@ -95,6 +97,7 @@ def resolve_run(scope: Scope, run: ast.Trace | ast.Generate | ast.Sweep) -> Draf
         scope.error(f"generate makes at least one new token: max_new_tokens {max_new}", hs)
         return None
     ctx = Ctx(run.name, kind, run.prompt, toks, max_new, {})
+    past_context(scope, ctx, hs if max_new is None else run.span)
     axes: tuple[SweepAxis, ...] = ()
     if isinstance(run, ast.Sweep):
         axes = resolve_axes(scope, run, ctx)
@@ -111,6 +114,18 @@ def resolve_run(scope: Scope, run: ast.Trace | ast.Generate | ast.Sweep) -> Draf
     return Draft(head, ops, measures)
 
 
+def past_context(scope: Scope, ctx: Ctx, span: Span) -> None:
+    """A warning when a run's tokens (its prompt and the tokens it generates) pass the model's context."""
+    limit = getattr(text_config(scope.spec.config), "max_position_embeddings", None)
+    total = len(ctx.toks) + (ctx.max_new_tokens or 0)
+    if not isinstance(limit, int) or total <= limit:
+        return
+    made = f" and {ctx.max_new_tokens} new tokens" if ctx.max_new_tokens else ""
+    scope.warn(f"'{ctx.name}' runs {total} tokens ({n_tokens(len(ctx.toks))} of prompt '{ctx.prompt}'{made}), past "
+               f"this model's context of {limit} (max_position_embeddings): positions past {limit - 1} are ones "
+               f"it never saw in training", span)
+
+
 def resolve_main(scope: Scope) -> Draft | None:
     if scope.main_prompt is None:
         return None
@@ -118,6 +133,7 @@ def resolve_main(scope: Scope) -> Draft | None:
     assert isinstance(text, str)
     toks = scope.tokens(text)
     ctx = Ctx("main", "trace", scope.main_prompt, toks, None, {})
+    past_context(scope, ctx, scope.main_items[0].span)
     ops, measures = resolve_body(scope, scope.main_items, ctx)
     head = ResolvedRun("main", "trace", scope.main_prompt, text, toks.ids, toks.display, None, True,
                        route=ctx.route or scope.global_route, span=scope.main_items[0].span)
@@ -269,6 +285,7 @@ def statement(scope: Scope, st: ast.Statement, ctx: Ctx, ops: list[Any], measure
     if isinstance(st, ast.Write):
         for t, n, count in enumerate_targets(targets(scope, st.site, ctx, writing=True)):
             src = write_source(scope, st.source, t, n, count, ctx)
+            check_write(scope, t, src, ctx, st.span)
             op = ResolvedOp("write", t.layer, t.value, t.position, t.step, None, None, t.written,
                             None, t.layer_var, t.position_var, t.head, t.head_var, span=st.span)
             if is_pending(src):

@@ -130,6 +130,8 @@ class Scope:
         self.implicit: dict[str, Span] = {}  # prompts that need a clean run of their own
         self.tok_cache: dict[str, PromptTokens] = {}
         self.deferred: list[tuple[list[Any], int, Any]] = []
+        self.unread: list[tuple[str, Target, str, Span]] = []  # (run, write, why nothing reads it, where): warned
+        # once every run is resolved, unless a read, a norm or a donor takes the written value itself
 
     # -- errors --
 

@@ -51,6 +51,7 @@ from .errors import DeltaSweepError
 from .job import measure_label
 from .paths import (PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward,
                     reused_capture)
+from .table import signed, warn_saturated
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
@@ -113,8 +114,8 @@ class Attribution:
         head = ["block", "pos", "token", "measure", *self.variants, "exact"]
         rows = sorted(self.rows, key=lambda r: -abs(r.estimates[self.default]))[:top]
         body = [[f"L{r.block}", str(r.position), repr(r.token), r.measure,
-                 *(f"{r.estimates[v]:+.4f}" for v in self.variants),
-                 "" if r.exact is None else f"{r.exact:+.4f}"] for r in rows]
+                 *(signed(r.estimates[v]) for v in self.variants),
+                 "" if r.exact is None else signed(r.exact)] for r in rows]
         widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *body]]
         note = (f"sweep {self.sweep}: estimated effect M(patched) - M(clean) per cell; {describe(self.default)} "
@@ -464,6 +465,7 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
     clean_values = {measure_label(m): float(measure_of(m, runs[measure_label(m)]["plain"][0].result)[0])
                     for m in target.measures}
     result = Attribution(target.sweep.name, variants, default, rows, clean_values)
+    warn_saturated(clean_values, {measure_label(m): m.span for m in target.measures}, exp.source, exp.filename)
     if refine:
         if exact is None:
             raise DeltaSweepError("refine needs the sweep engine (deltalang.run_sweep passes it)")

@@ -48,6 +48,7 @@ from ..model import DeltaModel
 from ..results import save_atomically
 from .attribution import Attribution, Target, attribute, check_path, default_steps, describe, refine_cells, target_of
 from .plots import colour_label, heatmap, slug
+from .table import signed
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -128,8 +129,8 @@ class DatasetAttribution:
         """The cells of largest |mean default estimate|, mean estimates and mean exact effect side by side."""
         head = [*self.variables, "measure", *self.variants, "exact", "n"]
         cells = sorted(self.cells, key=lambda c: -abs(c.estimates[self.default].mean))[:top]
-        body = [[*(lab for _, lab in c.point), c.measure, *(f"{c.estimates[v].mean:+.4f}" for v in self.variants),
-                 "" if c.exact is None else f"{c.exact.mean:+.4f}", str(c.estimates[self.default].n)] for c in cells]
+        body = [[*(lab for _, lab in c.point), c.measure, *(signed(c.estimates[v].mean) for v in self.variants),
+                 "" if c.exact is None else signed(c.exact.mean), str(c.estimates[self.default].n)] for c in cells]
         widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *body]]
         note = (f"sweep {self.sweep}: estimated effect M(patched) - M(clean) per cell, mean over the records; "

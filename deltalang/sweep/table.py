@@ -5,15 +5,19 @@ ResultRow, for the terminal tables (`render_tables`), the CSV and the plots.
 A two-axis grid has one orientation (`grid_axes`: the longer axis down the rows),
 the same in the terminal and the heatmap. Tables show a KL's float noise below 0
 as 0 (`results.for_display`); the rows (and the CSV) keep the raw values.
+`signed` prints an estimated effect (attribution) with three significant digits, and
+`saturation_warnings` says when a `prob` at the clean run is too close to 1 (or 0) for
+gradient estimates of its change.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 
+from ..errors import DeltaWarning, Span, warn
 from ..ir import ResolvedRun, SweepAxis
 from ..model import DeltaModel
 from ..results import for_display
@@ -86,6 +90,35 @@ def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
 
 def _fmt(x: float, kind: str = "") -> str:
     return "nan" if math.isnan(x) else f"{for_display(kind, x):.3g}"
+
+
+def signed(x: float) -> str:
+    """An estimate or effect with its sign and three significant digits (-0.000412, +1.2e-07): a fixed count of
+    decimals shows the small effects of a saturated measure as +-0.0000."""
+    return f"{x:+.3g}"
+
+
+SATURATED = 0.99  # a prob at or above this (or at or below 1 - this) at the clean run
+
+
+def saturation_warnings(clean: Mapping[str, float]) -> list[tuple[str, str]]:
+    """(measure, why): a `prob` near 1 (or 0) at the clean run makes gradient estimates of its change small."""
+    out = []
+    for label, p in clean.items():
+        if label.startswith("prob(") and not 1 - SATURATED < p < SATURATED:
+            out.append((label, f"{label} is {p:.6g} at the clean run: saturated, its gradient is the logits' "
+                               f"scaled by p(1 - p) = {p * (1 - p):.2g}, so estimates from gradients at or near the "
+                               f"clean run miss a large change; measure logit_diff(\"ANSWER\", \"FOIL\") to rank "
+                               f"the cells, or refine them exactly (refine K)"))
+    return out
+
+
+def warn_saturated(clean: Mapping[str, float], spans: Mapping[str, Span], source: str, filename: str) -> None:
+    """A DeltaWarning at each saturated measure (`saturation_warnings`)."""
+    for label, message in saturation_warnings(clean):
+        span = spans.get(label)
+        warn(DeltaWarning(message, span if span is not None and span.line > 0 else None, source=source,
+                          filename=filename))
 
 
 def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
