@@ -68,10 +68,12 @@ class Adapter:
     """What a family's code does not say by itself (declarative; one per family at most)."""
 
     dims: dict[str, str] = attrs.field(factory=dict)  # dim name -> the config field holding it, where it differs
+    streams: str | None = None  # config field: residual streams a block's output carries side by side, flattened
 
 
-# No family of transformers 5.24 needs one: every dim is read from the mechanism's fields.
-ADAPTERS: dict[str, Adapter] = {}
+# Every dim of the nine families of transformers 5.24 is read from the mechanism's fields; qwen4_exp's blocks
+# carry `hc_count` residual streams flattened into one `[b, s, hc_count * hidden]` tensor.
+ADAPTERS: dict[str, Adapter] = {"qwen4_exp": Adapter(streams="hc_count")}
 
 
 @attrs.frozen
@@ -88,6 +90,7 @@ class Family:
     conv_fn: str = "causal_conv1d_fn"
     conv_update: str = "causal_conv1d_update"
     mechanism: str = "gated_delta_rule"
+    block_output: str = "tensor"  # what a block's forward returns: "tensor", or "tuple" (glm5_next: + top-k)
 
     @property
     def per_channel_decay(self) -> bool:
@@ -116,6 +119,11 @@ class Family:
         except AttributeError as e:
             raise UnservedFamily(f"{self.name}: its config has no {e.name!r} field "
                                  f"(a {self.mechanism} mixer's dims are read from it)") from None
+
+    def stream_width(self, config: Any) -> int:
+        """The width of a block's output (the residual stream): hidden_size, times its streams."""
+        streams = ADAPTERS.get(self.name, Adapter()).streams
+        return int(config.hidden_size) * (int(getattr(config, streams)) if streams else 1)
 
     def __repr__(self) -> str:
         return f"<deltalang family {self.name} ({self.module_name})>"
@@ -179,15 +187,22 @@ def _mixer_class(tree: ast.Module, kernel: str) -> str | None:
     return None
 
 
-def _mixer_attr(tree: ast.Module, mixer: str) -> str | None:
-    """The attribute a block's `__init__` assigns a `mixer` instance to (`self.linear_attn = ...`)."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
-            for stmt in ast.walk(node):
-                if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-                        and isinstance(stmt.targets[0], ast.Attribute)
-                        and _name(stmt.targets[0].value) == "self" and mixer in _calls(stmt.value)):
-                    return stmt.targets[0].attr
+def _mixer_attr(tree: ast.Module, mixer: str) -> tuple[str, str] | None:
+    """(the attribute a block's `__init__` assigns a `mixer` instance to (`self.linear_attn = ...`), what the
+    block's forward returns: "tuple" when annotated so, else "tensor")."""
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+        init = methods.get("__init__")
+        for stmt in ast.walk(init) if init is not None else ():
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                    and isinstance(stmt.targets[0], ast.Attribute)
+                    and _name(stmt.targets[0].value) == "self" and mixer in _calls(stmt.value)):
+                forward = methods.get("forward")
+                returns = forward.returns if forward is not None else None
+                tuple_out = isinstance(returns, ast.Subscript) and _name(returns.value) == "tuple"
+                return stmt.targets[0].attr, "tuple" if tuple_out else "tensor"
     return None
 
 
@@ -239,13 +254,14 @@ def analyse(path: str | Path, module_name: str, name: str | None = None,
     mixer = _mixer_class(tree, chunk)
     if mixer is None:
         raise UnservedFamily(f"{name}: no class of {path.name} calls {chunk} in its forward")
-    attr = _mixer_attr(tree, mixer)
-    if attr is None:
+    held = _mixer_attr(tree, mixer)
+    if held is None:
         raise UnservedFamily(f"{name}: no block of {path.name} holds a {mixer} as an attribute")
+    attr, block_output = held
     if model_types is None:
         model_types = _model_types(path.with_name(path.name.replace("modeling_", "configuration_", 1)))
     return Family(name, module_name, model_types or (name,), mixer, attr, chunk, hubs[mech.recurrent_hub],
-                  hubs[CONV_HUB], hubs[CONV_UPDATE_HUB], mech.name)
+                  hubs[CONV_HUB], hubs[CONV_UPDATE_HUB], mech.name, block_output)
 
 
 def _models_root() -> Path | None:

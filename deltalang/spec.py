@@ -52,6 +52,9 @@ class ModelSpec:
         kind = self.kind(layer)
         if kind not in v.kinds:
             return f"no DeltaNet mixer on this block ({self.layer_types[layer]})"
+        if value == "output" and self.family.block_output != "tensor":
+            return (f"{self.family.name}'s blocks return a {self.family.block_output} (the residual streams and "
+                    f"more), not one tensor: read attention_output, or a later block's input")
         return None
 
     def tokens(self, text: str) -> list[str]:

@@ -201,3 +201,28 @@ def test_a_dataset_run_on_every_family_equals_transformers(family: str) -> None:
         a, b = (tok(r[k]).input_ids[0] for k in ("answer", "foil"))
         want = float(logits[a] - logits[b])
         assert value == pytest.approx(want, abs=1e-3 * max(1.0, abs(want))), (family, r["subject"])
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_a_blocks_output_is_served_with_its_own_width_or_refused_in_one_line(family: str) -> None:
+    """qwen4_exp's blocks carry hc_count residual streams flattened; glm5_next's return a tuple: refused."""
+    path = tiny_checkpoint(family)
+    model = deltalang.load_model(path)
+    src = 'prompt p = "The Eiffel Tower is in"\ntrace t on p { read L0.output }\n'
+    if model.family.block_output != "tensor":
+        with pytest.raises(deltalang.DeltaError, match=r"<program>:2:.*error: .*return a tuple") as err:
+            deltalang.check(src, model.spec)
+        assert "attention_output" in str(err.value)
+        return
+    got = deltalang.run(src, model)["t.L0.output"]
+    hf = load_hf(path).eval()
+    blocks = decoder_layers(hf)
+    seen: list[torch.Tensor] = []
+    hook = blocks[0].register_forward_hook(lambda m, a, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            hf(model.tokenizer(PROMPT, return_tensors="pt").input_ids, use_cache=False)
+    finally:
+        hook.remove()
+    assert got.shape[-1] == model.family.stream_width(deltalang.spec.text_config(model.config))
+    torch.testing.assert_close(got, seen[0], atol=1e-5, rtol=0)

@@ -110,7 +110,9 @@ def value_shape(scope: Scope, value: str, n: int) -> tuple[int, ...] | None:
     info = values.CATALOGUE.get(value)
     if info is None or "Kimi" in info.shape and scope.spec.family.per_channel_decay:
         return None
-    d = dict(scope.spec.dims, s=n, hidden=getattr(text_config(scope.spec.config), "hidden_size", 0))
+    tc = text_config(scope.spec.config)
+    hidden = scope.spec.family.stream_width(tc) if value == "output" else getattr(tc, "hidden_size", 0)
+    d = dict(scope.spec.dims, s=n, hidden=hidden)
     d["width-1"] = d.get("conv_width", 1) - 1
     names = info.shape.split("]")[0].strip("[ ").split(", ")[1:]
     return tuple(int(d.get(x, 0)) for x in names)
