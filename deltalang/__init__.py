@@ -14,16 +14,18 @@ as before, and `from deltalang import X` works for every name in `__all__`.
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import sys as _sys
+import types as _types
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from .version import __version__
 
-if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+if _TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from . import families
     from .check import check
+    from .collection import Collection, load_results
     from .compiled import Experiment
     from .dataset_run import DatasetResults
     from .sweep.attribution_dataset import DatasetAttribution
@@ -42,25 +44,25 @@ _LAZY: dict[str, str] = {
     "DeltaModel": "model", "load_model": "model", "parse": "parse", "Experiment": "compiled",
     "Results": "results", "DatasetResults": "dataset_run", "DatasetSweepResults": "sweep.dataset",
     "DatasetAttribution": "sweep.attribution_dataset", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
-    "ModelSpec": "spec", "load_spec": "spec",
+    "ModelSpec": "spec", "load_spec": "spec", "Collection": "collection", "load_results": "collection",
 }
 
-__all__ = ["DatasetAttribution", "DatasetResults", "DatasetSweepResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
-           "load_model", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
+__all__ = ["Collection", "DatasetAttribution", "DatasetResults", "DatasetSweepResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
+           "load_model", "load_results", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     """`deltalang.NAME`: import the module that defines NAME the first time it is asked for."""
     home = _LAZY.get(name)
     if home is None:
         raise AttributeError(f"module 'deltalang' has no attribute {name!r}")
-    module = importlib.import_module(f".{home or name}", __name__)
+    module = _importlib.import_module(f".{home or name}", __name__)
     value = module if not home else getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: _Any) -> None:
     """`%load_ext deltalang` in Jupyter/IPython: the `%%deltalang` cell magic (`deltalang.notebook`)."""
     from .notebook import load_ipython_extension as load
 
@@ -68,24 +70,27 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names (and the submodules imported so far): no `typing` or import machinery."""
+    modules = {n for n, v in globals().items() if isinstance(v, _types.ModuleType) and not n.startswith("_")
+               and getattr(v, "__name__", "").startswith(__name__ + ".")}
+    return sorted(set(__all__) | {"load_ipython_extension"} | modules)
 
 
 # public functions named like the modules they live in or beside (`run`, `check`, `parse`, `sweep`)
 _SHADOWED = frozenset(n for n in _LAZY if _LAZY[n])
 
 
-class _Face(types.ModuleType):
+class _Face(_types.ModuleType):
     """The package module: importing submodule `deltalang.run` never rebinds the public `deltalang.run`.
 
     The import system sets a package's attribute to each submodule it imports; for
     the names above the public function keeps the name (as the eager face did).
     """
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SHADOWED and isinstance(value, types.ModuleType):
+    def __setattr__(self, name: str, value: _Any) -> None:
+        if name in _SHADOWED and isinstance(value, _types.ModuleType):
             return
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Face
+_sys.modules[__name__].__class__ = _Face

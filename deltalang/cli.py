@@ -412,23 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_transformers() -> None:
-    """No progress bars or kernel fall-back notices on the command line: its output is the program's.
+    """No progress bars or kernel fall-back notices on the command line: its output is the program's
+    (`quiet.quiet_transformers`, which `load_model` uses too)."""
+    from .quiet import quiet_transformers
 
-    Said through the environment, which transformers reads when it is first imported,
-    so a command that never needs transformers never imports it; if it is already
-    imported (main called in a Python process), its logging is set directly.
-    """
-    import os
-    import warnings
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+    quiet_transformers()
 
 
 def _first_line(e: BaseException) -> str:

@@ -33,6 +33,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import attrs
 
 from . import ast, html
+from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, layer_of, \
+    run_group, slots_of
+from .collection import Collection
 from .compiled import Experiment
 from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
 from .datasets import Dataset, dataset_from_python, load_dataset
@@ -121,6 +124,18 @@ class DatasetResults:
                 lines.append(f"  {self.dataset.where(self.dataset.records[i])}: {why}")
         return "\n".join(lines)
 
+    def to_pandas(self) -> Any:
+        """The rows as `results.csv` has them: long format, a row per record and measure."""
+        import pandas as pd
+
+        return pd.DataFrame(list(self.rows), columns=["record", "line", *self.dataset.fields, "measure", "value"])
+
+    def __repr__(self) -> str:
+        lines = self.summary().splitlines()
+        return "\n".join([f"<deltalang DatasetResults: {len(self.rows)} rows>", *lines[:10],
+                          *([f"... ({len(lines) - 10} more lines: print(results.summary()))"] if len(lines) > 10
+                            else [])])
+
     def save(self, directory: str | Path) -> Path:
         """Write `FILES` into `directory`, each replacing its former version at once."""
         return save_atomically(directory, self._write)
@@ -152,8 +167,10 @@ def load_datasets(source: str, filename: str, data: Mapping[str, Any] | None) ->
 def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                 data: Mapping[str, Any] | None = None, strict: bool = False, batch: bool = True,
                 datasets: Mapping[str, Dataset] | None = None, out: str | Path | None = None, resume: bool = False,
-                console: Console | None = None, on_group: Callable[[list[int]], None] | None = None) -> DatasetResults:
+                console: Console | None = None, on_group: Callable[[list[int]], None] | None = None,
+                shard_bytes: int = SHARD_BYTES) -> DatasetResults | Collection:
     """Run `source` over its dataset on `model` (see the module doc); `datasets`: already `load_datasets`'.
+    A program that reads is a collection (`deltalang.collect`; `shard_bytes` a shard): its `Collection`.
 
     `out`: save each group of records as it finishes and the final files there; `resume`: continue the
     run in `out` (the groups done are not rerun); `console`: show progress there; `on_group(indices)`:
@@ -167,6 +184,9 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
     refuse_per_record_vectors(resolutions, source, filename)
     skipped = left_out(ds, resolutions, strict)
+    if collects(resolutions):
+        return run_collection(program, ds, resolutions, skipped, source, model, filename=filename, batch=batch,
+                              out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes)
     columns = ["record", "line", *ds.fields, "measure", "value"]
     store = None
     if out is not None:
@@ -204,6 +224,65 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     return result
 
 
+def run_collection(program: ast.Program, ds: Dataset, resolutions: list[RecordResolution],
+                   skipped: tuple[tuple[int, str], ...], source: str, model: DeltaModel, *, filename: str, batch: bool,
+                   out: str | Path | None, resume: bool, console: Console | None,
+                   on_group: Callable[[list[int]], None] | None, shard_bytes: int) -> Collection:
+    """A collection (`deltalang.collect`): the records' reads written to `out` as they finish."""
+    if out is None:
+        raise DeltaError("a run over a dataset that reads collects every record's values into files as it goes: "
+                         "give --out DIR (out= from Python)")
+    meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
+            "model": model.spec.model_id, "shard_bytes": shard_bytes, "records": len(ds.records)}
+    store = CollectStore(Path(out), meta, resume, shard_bytes)
+    groups = record_groups([r for r in resolutions if r.resolved is not None and r.record.index not in store.done],
+                           batch)
+
+    def run(group: list[RecordResolution]) -> Collected:
+        return run_group(program, group, lambda res: _experiment_run(source, model, filename, res, batch, ds, group),
+                         merge, lambda run_name, m: measure_label(program, run_name, m))
+
+    first = run(groups[0]) if groups else None
+    if first is not None:
+        assert groups[0][0].resolved is not None
+        values, layers = layer_of(groups[0][0].resolved, program)
+        slots = slots_of(next(iter(first.values.values())), values, layers)
+        check_fits(Path(out), estimate(first, groups, slots), sum(len(g) for g in groups))
+    else:
+        slots = []
+    store.start(slots)
+    n = sum(len(g) for g in groups)
+    head = f"'{ds.name}': {n} record(s) to collect in {len(groups)} forward group(s)" + (
+        f", {len(store.done)} done before" if store.done else "")
+    try:
+        measures = collect_groups(program, ds, groups, store, first, run,  # type: ignore[arg-type]
+                                  RecordProgress(console, n, n, "records", head), on_group)
+        rows = [{"record": i, "line": ds.records[i].line, **ds.records[i].fields, "measure": k, "value": v}
+                for i in sorted(measures) for k, v in measures[i].items()]
+        labels = list(dict.fromkeys(row["measure"] for row in rows))
+        stats = tuple(stats_of(lab, [row["value"] for row in rows if row["measure"] == lab]) for lab in labels)
+        result = DatasetResults(ds, tuple(rows), stats, skipped, source)
+        store.finish({"program": source, "program_sha256": meta["program_sha256"], "model": meta["model"],
+                      "dataset": ds.name, "origin": ds.origin, "records": len(ds.records),
+                      "left_out": [{"record": i, "line": ds.records[i].line, "why": why} for i, why in skipped]},
+                     lambda d: result._write(d) if rows else (d / "program.dl").write_text(source, encoding="utf-8"))
+    except BaseException:
+        store.abandon()
+        raise
+    return Collection(out)
+
+
+def _experiment_run(source: str, model: DeltaModel, filename: str, resolved: Resolved, batch: bool, ds: Dataset,
+                    group: list[RecordResolution]) -> Any:
+    """The results of a group's merged program (an error names the group's first record)."""
+    try:
+        return Experiment(source, model, filename=filename, resolved=resolved, batch=batch).run()
+    except DeltaError as e:
+        e.notes = (*e.notes, f"in record {group[0].record.index + 1} ({ds.where(group[0].record)})"
+                   + (f" or one of the {len(group) - 1} run with it" if len(group) > 1 else ""))
+        raise
+
+
 def _run_groups(todo: list[list[RecordResolution]], per: dict[int, list[dict[str, Any]]], store: RecordStore | None,
                 columns: list[str], progress: RecordProgress, on_group: Callable[[list[int]], None] | None,
                 run: Callable[[list[RecordResolution]], dict[int, list[dict[str, Any]]]]) -> None:
@@ -223,12 +302,7 @@ def _run_group(program: ast.Program, ds: Dataset, group: list[RecordResolution],
                filename: str, batch: bool) -> dict[int, list[dict[str, Any]]]:
     """The rows of a group of records that share forwards, by record."""
     merged = merge([(r.record.index, r.resolved) for r in group if r.resolved is not None])
-    try:
-        results = Experiment(source, model, filename=filename, resolved=merged, batch=batch).run()
-    except DeltaError as e:
-        e.notes = (*e.notes, f"in record {group[0].record.index + 1} ({ds.where(group[0].record)})"
-                   + (f" or one of the {len(group) - 1} run with it" if len(group) > 1 else ""))
-        raise
+    results = _experiment_run(source, model, filename, merged, batch, ds, group)
     out: dict[int, list[dict[str, Any]]] = {}
     for r in group:
         assert r.resolved is not None

@@ -39,6 +39,7 @@ from .errors import DeltaModelError
 from .info import support_table
 from .deltarule import reusing
 from .kernels import unwinding
+from .quiet import quiet_transformers
 
 try:
     from nnsight import LanguageModel
@@ -117,8 +118,12 @@ class DeltaModel(LanguageModel):
 
 def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
                dtype: str | torch.dtype | None = None, *, trust_remote_code: bool = False,
-               device_map: str | dict[str, Any] | None = None, offload_folder: str | Path | None = None) -> DeltaModel:
+               device_map: str | dict[str, Any] | None = None, offload_folder: str | Path | None = None,
+               verbose: bool = False) -> DeltaModel:
     """Load a hybrid checkpoint: None = the bundled model, a local directory, or a hub id.
+
+    As quiet as the command line (`quiet.quiet_transformers`: no progress bars, no kernel fall-back
+    notices) unless `verbose`.
 
     `device_map` shards it through accelerate: `"auto"` (or another name accelerate knows), a dict
     from module names to devices (`"cpu"`, `"disk"`, `0`, `"cuda:1"`), or the path of a JSON file
@@ -127,6 +132,8 @@ def load_model(name_or_path: str | Path | None = None, device: str = "cpu",
     directory removed at exit).
     """
     compat.check_versions()
+    if not verbose:
+        quiet_transformers()
     where, config = load_config(name_or_path, trust_remote_code)
     spec = spec_from_config(_display_id(name_or_path, where), config, None)  # refused before any weight is read
     kernels.install(spec.family)

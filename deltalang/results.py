@@ -176,7 +176,17 @@ class Results(Mapping[str, Any]):
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"<deltalang Results: {len(self)} values>\n" + self.summary()
+        """A few lines: the summary's first dozen."""
+        lines = self.summary().splitlines()
+        more = [f"... ({len(lines) - 12} more lines: print(results.summary()))"] if len(lines) > 12 else []
+        return "\n".join([f"<deltalang Results: {len(self)} values>", *lines[:12], *more])
+
+    def to_pandas(self) -> Any:
+        """The measures that are numbers as rows (`result`, `value`); tensors stay in `tensors`."""
+        import pandas as pd
+
+        return pd.DataFrame([{"result": k, "value": float(v)} for k, v in self.measures.items()],
+                            columns=["result", "value"])
 
     def _repr_html_(self) -> str:
         """Notebooks: the summary as a table (`deltalang.html`)."""
@@ -290,11 +300,12 @@ def _versions() -> dict[str, str]:
 # what a deltalang run writes in an --out directory (a sweep's plots: `*.png`; temporary files: `*.tmp`, `.deltalang-*`)
 OUT_NAMES = frozenset({"results.json", "results.safetensors", "program.dl", "emitted.py", "reference.py", "sweep.csv",
                        "sweep.json", "results.csv", "results.partial.csv", "summary.csv", "summary.json",
-                       "progress.json", "attribution.csv"})
+                       "progress.json", "attribution.csv", "collection.json", "index.jsonl"})
 
 
 def _ours(name: str) -> bool:
-    return name in OUT_NAMES or name.endswith((".png", ".tmp")) or name.startswith(".deltalang-")
+    return name in OUT_NAMES or name.endswith((".png", ".tmp")) or name.startswith(".deltalang-") or \
+        (name.startswith("shard-") and name.endswith(".safetensors"))  # a collection's shards
 
 
 def _program_of(directory: Path) -> str | None:

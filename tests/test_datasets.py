@@ -122,7 +122,8 @@ def test_a_missing_file_is_an_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("program, message", [
     (PATCH.replace("facts.foil", "facts.fiol"), "no record of 'facts' has a field 'fiol': did you mean 'foil'"),
-    (PATCH.replace("measure", "read L0.state_output\n    measure"), "use 'measure'"),
+    ('dataset facts = "facts.jsonl"\nsweep s on facts over L in L[linear] {\n    read L.state_output\n'
+     '    measure prob(facts.answer)\n}', "a sweep over a dataset keeps measures.*use 'measure'"),  # a trace collects
     (PATCH.replace("facts.corrupt", "facts.corupt"), "no record of 'facts' has a field 'corupt': did you mean"),
     (PATCH + "measure prob(facts.answer)\n", "used inside a run on it"),
     (PATCH.replace("trace t on facts", "generate t on facts max_new_tokens 2"), "generate over a dataset is not"),

@@ -17,8 +17,8 @@ this package); a record whose program does not resolve (its subject is not in
 its prompt, its answer is several tokens) is that record's problem.
 
 `check_over` checks what holds for every record, before any record is expanded:
-one dataset per program (runs on it are traces; no `read` in them, whose tensors
-a dataset would multiply), fields only inside runs on their dataset, every
+one dataset per program (runs on it are traces or sweeps; a trace's `read`s make
+the run a collection, `deltalang.collect`; a sweep's are refused), fields only inside runs on their dataset, every
 field used present in some record (else an error naming the fields there are)
 and in every record (else an error naming the first record without it, by its
 data-file line). `measure_label` names a measure as written in the template
@@ -89,9 +89,9 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
         if on_dataset(run, names) != ds_name:
             raise _fail(f"runs over two datasets ('{ds_name}', '{run.prompt}'): a program runs over one", run.span)
         for st in run.body:
-            if isinstance(st, ast.Read) or (isinstance(st, ast.Step) and isinstance(st.body, ast.Read)):
-                raise _fail("a run over a dataset keeps measures, one per record: use 'measure' (e.g. "
-                            "norm(SITE)), not 'read'", st.span)
+            if isinstance(run, ast.Sweep) and isinstance(st, ast.Read):  # a trace's reads: a collection
+                raise _fail("a sweep over a dataset keeps measures, one per record and cell: use 'measure' (e.g. "
+                            "norm(SITE)), not 'read' (a trace on the dataset collects reads)", st.span)
             for top in (n for n in ast.walk(st) if isinstance(n, ast.Top)):
                 raise _fail(f"top({top.k}) gives tokens, not a number, and a run over a dataset averages numbers: "
                             f"measure prob(...) or rank(...) of a token", top.span)

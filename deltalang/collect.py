@@ -1,0 +1,362 @@
+"""Reads over a dataset collected: every record's values written to sharded safetensors as the run goes.
+
+    dataset facts = "facts.jsonl"
+    trace t on facts { read L[linear].state_after(facts.subject) as s }
+
+    collect_records(...)  # called by `dataset_run.run_dataset` for a program over a dataset with reads
+
+Contract. A run over a dataset whose traces `read` is a collection; it needs an `--out DIR` (`out=`).
+Each read of the template is one *label*, named as written (`s.L0`, `t.L1.states`, the same in every
+record). Records share forwards as any run over a dataset does (the caller's groups); a record's values
+are its own, whatever shares its forward. Values go to `DIR/shard-NNNNN.safetensors`, a shard written
+once at least `shard_bytes` (default `SHARD_BYTES`) are buffered and at the end, never the whole
+collection in memory: a value of a fixed shape is one tensor per label and shard with the record axis
+first (`s.L0`: `[rows, heads, key_dim, value_dim]`, the batch axis dropped); a value whose length is the
+record's (`states`, `output`: a `s` axis) is stored per record (`t.L1.states@17`), never padded. After a
+shard is synced, each of its records gets a line in `DIR/index.jsonl` (record number, data line, fields,
+shard, row, its measures): a record is done when its line is. `DIR/progress.json` (the program, its
+sha256, the model, the shard size) is written first; `DIR/collection.json`, the manifest (labels with
+their shapes, axes and dtype, shards, bytes, records left out), is written last, with `program.dl`
+(and `results.csv`, `summary.*` when the program also measures): until the manifest exists nothing
+looks complete. `resume=True` continues such a run (the same program, model and shard size only): the
+records indexed are not rerun and a shard no index line names (torn off by a crash) is removed. A run
+that fails with no record done removes what it wrote.
+
+Before anything is written, the size of the whole output is estimated from the first group's values
+(bytes per record and per token) and refused with the figure if the disk (`shutil.disk_usage`) lacks it.
+Problems are DeltaErrors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import torch
+
+from . import ast
+from .compiled import Experiment
+from .dataset_store import RecordProgress, _sync
+from .datasets import Dataset
+from .errors import DeltaError
+from .ir import Named, Resolved, site_text
+from .model import DeltaModel
+from .resolve import RecordResolution
+from .results import axis_names
+
+SHARD_BYTES = 256 * 2**20
+MANIFEST, PROGRESS, INDEX = "collection.json", "progress.json", "index.jsonl"
+KIND = "collection"
+
+
+def shard_name(n: int) -> str:
+    return f"shard-{n:05d}.safetensors"
+
+
+def collects(resolutions: Sequence[RecordResolution]) -> bool:
+    """Whether a program over a dataset reads (then it is a collection): its first resolved record's runs."""
+    first = next((r.resolved for r in resolutions if r.resolved is not None), None)
+    return first is not None and any(op.kind == "read" for run in first.runs for op in run.ops)
+
+
+@attrs.frozen
+class Slot:
+    """One read of the template: its label, what it holds, and whether its shape is each record's own."""
+
+    label: str
+    value: str
+    layer: int | None
+    per_record: bool
+
+
+def read_label(program: ast.Program, run: str, op: Any) -> str:
+    """A read named as the template writes it (the same in every record): its `as` name, else
+    `t.L0.state_after(facts.subject)` (a field's position as written)."""
+    if op.alias is not None:
+        return op.result_name
+    site = next((n for n in ast.walk(program) if isinstance(n, ast.Site) and n.span == op.span
+                 and op.span != ast.NOSPAN), None)
+    pos = op.position if site is None or site.position is None else ast.format_position(site.position)
+    return f"{run}.{site_text(op.layer, op.value, pos, head=op.head)}"
+
+
+def canonical(program: ast.Program, resolved: Resolved) -> tuple[Resolved, dict[str, str]]:
+    """A record's program with its reads renamed `RUN.rJ` (no `as` names, so that records merge), and
+    {result name: label}. A program whose writes take a read's value (`= NAME`) keeps its names."""
+    named = any(isinstance(op.source, Named) for run in resolved.runs for op in run.ops)
+    labels: dict[str, str] = {}
+    runs = []
+    for run in resolved.runs:
+        ops = []
+        for j, op in enumerate(run.ops):
+            if op.kind == "read":
+                new = op if named else attrs.evolve(op, alias=None, result_name=f"{run.name}.r{j}")
+                labels[new.result_name] = read_label(program, run.name, op)
+                op = new
+            ops.append(op)
+        runs.append(attrs.evolve(run, ops=tuple(ops)))
+    return attrs.evolve(resolved, runs=tuple(runs)), labels
+
+
+def record_tokens(r: RecordResolution) -> int:
+    assert r.resolved is not None
+    return max(len(run.token_ids) for run in r.resolved.runs)
+
+
+@attrs.define
+class Collected:
+    """One group's values, by record: {record: {label: tensor}} and {record: {measure label: value}}."""
+
+    values: dict[int, dict[str, torch.Tensor]]
+    measures: dict[int, dict[str, float]]
+
+
+def slots_of(first: Mapping[str, torch.Tensor], values: Mapping[str, str], layers: Mapping[str, int | None]) \
+        -> list[Slot]:
+    """The labels of a record's values: per record when the value's axes have the record's tokens (`s`)."""
+    out = []
+    for label, v in first.items():
+        names = axis_names(values[label], v.dim() + 1)
+        out.append(Slot(label, values[label], layers[label], names is None or "s" in names))
+    return out
+
+
+def estimate(group: Collected, groups: Sequence[Sequence[RecordResolution]], slots: Sequence[Slot]) -> int:
+    """Bytes the todo records' values take: per record for fixed shapes, per token for the rest."""
+    fixed = {s.label for s in slots if not s.per_record}
+    recs = list(group.values)
+    per_fixed = sum(v.numel() * v.element_size() for k, v in group.values[recs[0]].items() if k in fixed)
+    toks = {r.record.index: record_tokens(r) for g in groups for r in g}
+    varying = sum(v.numel() * v.element_size() for i in recs for k, v in group.values[i].items() if k not in fixed)
+    per_token = varying / max(1, sum(toks[i] for i in recs))
+    n = sum(len(g) for g in groups)
+    return int(n * per_fixed + per_token * sum(toks.values()) + 512 * n)  # + headers and index lines
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_fits(directory: Path, need: int, n: int) -> None:
+    """A DeltaError with the figures if `need` bytes would not fit on the disk holding `directory`."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise DeltaError(f"the collection of {n} record(s) needs about {human(need)} in {directory}, and its disk has "
+                         f"{human(free)} free: free space, read fewer values (fewer blocks, a head), or choose "
+                         f"another --out")
+
+
+class CollectStore:
+    """`DIR/progress.json`, then shards and `DIR/index.jsonl` record by record, then the manifest."""
+
+    def __init__(self, directory: Path, meta: Mapping[str, Any], resume: bool, shard_bytes: int) -> None:
+        self.dir, self.shard_bytes = directory, shard_bytes
+        self.meta = dict(meta, kind=KIND, done=0, complete=False)
+        self.entries: dict[int, dict[str, Any]] = {}
+        self.made_dir = not directory.exists()
+        self.started = False
+        self.buffer: list[tuple[int, dict[str, Any], dict[str, torch.Tensor]]] = []
+        self.buffered = 0
+        self.slots: list[Slot] = []
+        if resume:
+            self._resume(meta)
+        elif (directory / PROGRESS).exists() and not (directory / MANIFEST).exists():
+            raise DeltaError(f"{directory} holds an unfinished collection: rerun with --resume to continue it, or "
+                             f"choose another --out")
+        self.next_shard = 1 + max((int(e["shard"][6:11]) for e in self.entries.values()), default=-1)
+
+    @property
+    def done(self) -> set[int]:
+        return set(self.entries)
+
+    def _resume(self, meta: Mapping[str, Any]) -> None:
+        try:
+            old = json.loads((self.dir / PROGRESS).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise DeltaError(f"nothing to resume in {self.dir}: it holds no {PROGRESS}") from None
+        except (OSError, ValueError):
+            raise DeltaError(f"{self.dir / PROGRESS} does not parse; delete {self.dir} to start over") from None
+        for key in ("kind", "program_sha256", "model", "shard_bytes"):
+            if old.get(key) != self.meta.get(key):
+                raise DeltaError(f"{self.dir} holds a run with another {key.replace('_sha256', '')} "
+                                 f"({old.get(key)!r}, this one {self.meta.get(key)!r}): --resume continues the "
+                                 f"same collection only")
+        self.slots = [Slot(**s) for s in old.get("slots", [])]
+        path = self.dir / INDEX
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        for line in text[: text.rfind("\n") + 1].splitlines():  # a torn last line is dropped
+            e = json.loads(line)
+            if (self.dir / e["shard"]).is_file():
+                self.entries[e["record"]] = e
+        named = {e["shard"] for e in self.entries.values()}
+        for f in self.dir.glob("shard-*.safetensors"):
+            if f.name not in named:  # written, but its records never indexed
+                f.unlink()
+
+    def start(self, slots: Sequence[Slot]) -> None:
+        """Create DIR and its `progress.json` (and rewrite the index without torn lines)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DeltaError(f"cannot save results in {self.dir}: {e.strerror or e}") from None
+        self.slots = self.slots or list(slots)
+        self.meta["slots"] = [attrs.asdict(s) for s in self.slots]
+        self.meta["done"] = len(self.entries)
+        (self.dir / MANIFEST).unlink(missing_ok=True)
+        self._write_meta()
+        with open(self.dir / INDEX, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(self.entries[i]) + "\n" for i in sorted(self.entries))
+            _sync(f)
+        self.started = True
+
+    def _write_meta(self) -> None:
+        tmp = self.dir / (PROGRESS + ".tmp")
+        tmp.write_text(json.dumps(self.meta, indent=1), encoding="utf-8")
+        os.replace(tmp, self.dir / PROGRESS)
+
+    def add(self, record: int, entry: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
+        """Buffer a record's values; write a shard once `shard_bytes` are buffered."""
+        self.buffer.append((record, entry, values))
+        self.buffered += sum(v.numel() * v.element_size() for v in values.values())
+        if self.buffered >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered records as one shard, sync it, then index them."""
+        if not self.buffer:
+            return
+        from safetensors.torch import save_file
+
+        name = shard_name(self.next_shard)
+        tensors: dict[str, torch.Tensor] = {}
+        for s in self.slots:
+            if s.per_record:
+                tensors.update({f"{s.label}@{i}": v[s.label].contiguous() for i, _, v in self.buffer})
+            else:
+                tensors[s.label] = torch.stack([v[s.label] for _, _, v in self.buffer])
+        tmp = self.dir / (name + ".tmp")
+        save_file(tensors, str(tmp))
+        with open(tmp, "rb+") as f:
+            _sync(f)
+        os.replace(tmp, self.dir / name)
+        with open(self.dir / INDEX, "a", encoding="utf-8") as f:
+            for row, (i, entry, _) in enumerate(self.buffer):
+                self.entries[i] = dict(entry, shard=name, row=row)
+                f.write(json.dumps(self.entries[i]) + "\n")
+            _sync(f)
+        self.next_shard += 1
+        self.buffer, self.buffered = [], 0
+        self.meta["done"] = len(self.entries)
+        self._write_meta()
+
+    def finish(self, manifest: Mapping[str, Any], write_rest: Callable[[Path], None]) -> None:
+        """Write the last shard, the other files, then the manifest; the run is complete."""
+        self.flush()
+        write_rest(self.dir)
+        shards = sorted({e["shard"] for e in self.entries.values()})
+        whole = dict(manifest, kind=KIND, records_collected=len(self.entries), shards=shards,
+                     bytes=sum((self.dir / s).stat().st_size for s in shards), shard_bytes=self.shard_bytes,
+                     reads=[dict(attrs.asdict(s), **self._shape(s)) for s in self.slots])
+        tmp = self.dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(whole, indent=1, allow_nan=True), encoding="utf-8")
+        os.replace(tmp, self.dir / MANIFEST)
+        self.meta["complete"] = True
+        self._write_meta()
+
+    def _shape(self, s: Slot) -> dict[str, Any]:
+        """A label's shape (per row; None per record), axes and dtype, read from its first shard."""
+        from safetensors import safe_open
+
+        first = min(self.entries.values(), key=lambda e: (e["shard"], e["row"]), default=None)
+        if first is None:
+            return {"shape": None, "axes": None, "dtype": None}
+        with safe_open(str(self.dir / first["shard"]), "pt") as f:
+            key = f"{s.label}@{first['record']}" if s.per_record else s.label
+            sl = f.get_slice(key)
+            shape, dtype = list(sl.get_shape()), sl.get_dtype()
+        full = axis_names(s.value, len(shape) + (1 if s.per_record else 0))
+        axes = ["record", *full[1:]] if full is not None else None
+        return {"shape": None if s.per_record else shape[1:], "axes": axes, "dtype": dtype}
+
+    def abandon(self) -> None:
+        """After a failure: with no record indexed, remove what was written (and DIR if made here)."""
+        if self.entries or not self.started:
+            return
+        for f in [*self.dir.glob("shard-*.safetensors*"), self.dir / INDEX, self.dir / PROGRESS]:
+            f.unlink(missing_ok=True)
+        if self.made_dir:
+            try:
+                self.dir.rmdir()
+            except OSError:
+                pass
+
+
+def run_group(program: ast.Program, group: Sequence[RecordResolution], run: Callable[[Resolved], Any],
+              merge: Callable[[list[tuple[int, Resolved]]], Resolved],
+              measure_label: Callable[[str, Any], str]) -> Collected:
+    """A group's values by record and label (each record's own: the batch axis dropped), and its measures."""
+    parts, labels = [], {}
+    for r in group:
+        assert r.resolved is not None
+        res, lab = canonical(program, r.resolved)
+        parts.append((r.record.index, res))
+        labels[r.record.index] = lab
+    results = run(merge(parts))
+    values: dict[int, dict[str, torch.Tensor]] = {}
+    measures: dict[int, dict[str, float]] = {}
+    for (i, res), r in zip(parts, group):
+        k = f"#{i}" if len(parts) > 1 else ""
+        values[i] = {label: results[_key(name, k)][0].detach().cpu().clone() for name, label in labels[i].items()}
+        measures[i] = {measure_label(run_.name, m): float(results[_key(m.result_name, k)])
+                       for run_ in res.runs for m in run_.measures}
+    return Collected(values, measures)
+
+
+def _key(name: str, k: str) -> str:
+    """A result's name in a merged program: `t#3.r0` for `t.r0` (record 3's runs renamed `t#3`)."""
+    if not k:
+        return name
+    run, _, rest = name.partition(".")
+    return f"{run}{k}" + (f".{rest}" if rest else "")
+
+
+def layer_of(resolved: Resolved, program: ast.Program) -> tuple[dict[str, str], dict[str, int | None]]:
+    """{label: value}, {label: block} of a record's reads."""
+    values, layers = {}, {}
+    for run in resolved.runs:
+        for op in run.ops:
+            if op.kind == "read":
+                label = read_label(program, run.name, op)
+                values[label], layers[label] = op.value, op.layer
+    return values, layers
+
+
+def collect_groups(program: ast.Program, ds: Dataset, groups: list[list[RecordResolution]], store: CollectStore,
+                   first: Collected, run: Callable[[list[RecordResolution]], Collected],
+                   progress: RecordProgress, on_group: Callable[[list[int]], None] | None) -> dict[int, dict[str, float]]:
+    """Write each group's records (the first already run) to the store; the measures of every record done."""
+    measures: dict[int, dict[str, float]] = {i: e.get("measures", {}) for i, e in store.entries.items()}
+    with progress as bar:
+        for n, group in enumerate(groups):
+            got = first if n == 0 else run(group)
+            for r in group:
+                i = r.record.index
+                entry = {"record": i, "line": r.record.line, "fields": dict(r.record.fields),
+                         "tokens": record_tokens(r), "measures": got.measures[i]}
+                store.add(i, entry, got.values[i])
+                measures[i] = got.measures[i]
+            bar.advance(len(group), len(group))
+            if on_group is not None:
+                on_group([r.record.index for r in group])
+    return measures
