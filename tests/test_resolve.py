@@ -259,8 +259,9 @@ def test_measures(spec: Any) -> None:
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_every_family(family: str, tiny_spec: Callable[[str], Any]) -> None:
     spec = tiny_spec(family)
+    out = "L[attention].output" if spec.family.block_output == "tensor" else "L[linear].attention_output"
     r = check(HEADER + 'trace p on clean {\n write L[linear].state_after("Tower") from other\n'
-                       " read L*.states, L[attention].output, next_token_probs\n}", spec)
+                       f" read L*.states, {out}, next_token_probs\n}}", spec)
     assert ops(r, "p")[:3] == [("write", i, "state_after", 15, None) for i in (0, 1, 2)]
     assert [op.layer for op in r.run("p").ops if op.value == "states"] == spec.linear_layers()
 
