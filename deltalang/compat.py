@@ -62,7 +62,7 @@ def problem(package: str, version: str | None) -> str | None:
         v = Version(version)
     except InvalidVersion:
         return f"cannot read {package}'s version {version!r}; deltalang needs {need}"
-    if Version(low) <= Version(v.base_version) and v < Version(high):
+    if Version(low) <= v and Version(v.base_version) < Version(high):  # 5.22.0rc1 is in; 6.0.0rc1, 5.21.0.dev0 not
         return None
     return f"{package} {version} is not supported; deltalang needs {need} (pip install '{need}')"
 

@@ -61,6 +61,7 @@ def test_the_default_keyword_is_the_installed_transformers_forwards() -> None:
 
 
 @pytest.mark.parametrize("package, version", [("transformers", "5.20.2"), ("transformers", "6.0.0"),
+                                              ("transformers", "6.0.0rc1"), ("transformers", "5.21.0.dev0"),
                                               ("nnsight", "0.7.0"), ("nnsight", "0.9.0"), ("nnsight", None)])
 def test_an_unsupported_version_is_one_line_naming_it_and_the_range(monkeypatch: pytest.MonkeyPatch,
                                                                     package: str, version: str | None) -> None:
@@ -95,14 +96,15 @@ def test_an_nnsight_too_old_to_import_is_one_line(tmp_path: Path) -> None:
     (fake / "nnsight").mkdir(parents=True)
     (fake / "nnsight" / "__init__.py").write_text("")  # nothing deltalang imports from it
     (fake / "nnsight-0.7.0.dist-info").mkdir()
-    (fake / "nnsight-0.7.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: nnsight\nVersion: 0.7.0\n")
+    meta = "Metadata-Version: 2.1\nName: nnsight\nVersion: 0.7.0\n"
+    (fake / "nnsight-0.7.0.dist-info" / "METADATA").write_text(meta)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", "import sys, deltalang.cli; sys.exit(deltalang.cli.main(sys.argv[1:]))",
-                          "run", str(ROOT / "examples" / "eiffel.dl")],
+    main = "import sys, deltalang.cli; sys.exit(deltalang.cli.main(sys.argv[1:]))"
+    run = subprocess.run([sys.executable, "-c", main, "run", str(ROOT / "examples" / "eiffel.dl")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 1, run.stderr
-    assert run.stderr.strip().splitlines() == [
-        "error: nnsight 0.7.0 is not supported; deltalang needs nnsight>=0.8.0,<0.9 (pip install 'nnsight>=0.8.0,<0.9')"]
+    assert run.stderr.strip().splitlines() == ["error: nnsight 0.7.0 is not supported; deltalang needs "
+                                               "nnsight>=0.8.0,<0.9 (pip install 'nnsight>=0.8.0,<0.9')"]
 
 
 def test_pyproject_declares_the_ranges_compat_checks() -> None:
