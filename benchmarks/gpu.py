@@ -3,24 +3,38 @@
 Needs a CUDA GPU and the `fla` extra (`pip install ".[fla]"`); run here without one it says so and
 exits 2. Not a test: it prints tables, side by side, from one run.
 
-1. Agreement. The five tiny families and a random model with Qwen3.5-0.8B's shapes, in bfloat16 on
-   CUDA, where deltalang serves every value by splitting FLA's kernels (`backends` mode `auto`: CUDA
+1. Agreement. Every tiny family (`FAMILY_NAMES`) and a random model with Qwen3.5-0.8B's shapes, in
+   bfloat16 on CUDA, where deltalang serves every value by splitting FLA's kernels (`backends` mode `auto`: CUDA
    tensors go to FLA), against the same reads in float32 through transformers' torch kernels
    (mode `reference`). Printed per value: the largest absolute difference and the relative one
    (|a - b| / |b|, Frobenius). States are float32 on both sides; the rest bf16 against float32.
    Also the state after t against transformers' own cache (float32, torch kernels).
-2. Cost. The 0.8B-shaped model in bfloat16, all 18 DeltaNet blocks: a plain forward (FLA),
+2. Cost. The 0.8B-shaped model in bfloat16, all 18 DeltaNet blocks: a plain forward (FLA; its Triton
+   kernel, as every call through deltalang's dispatchers: section 3),
    `set_state_after(t = n/2)` on every block (FLA split at t), the same through the torch reference,
    and `states` reduced to per-token norms; median of --repeat, the cases taking turns, times as
    ratios to the plain forward, beside each the peak CUDA memory above the model's.
+3. FlashQLA, where it is installed and FLA would hand `chunk_gated_delta_rule` to it (SM90+, bf16,
+   K = V = 128: the 0.8B shapes). deltalang turns that handoff off for its own calls (docs/gpu.md);
+   this measures whether it would have to: FLA's chunk kernel called directly on random bf16 inputs of
+   the 0.8B shapes (batch 1, --qla-lengths tokens, long enough for FlashQLA's intra-card split), with
+   FlashQLA on and off (`FLA_FLASH_QLA`), each unsplit and split at t = n/2 (`output_final_state`, then
+   `initial_state`, as deltalang splits), against transformers' torch kernel in float32; and the
+   0.8B-shaped model's plain forward with FlashQLA (deltalang's dispatchers taken out) against the
+   plain forward deltalang runs.
 
-    python benchmarks/gpu.py [--lengths 512 4096] [--repeat 5]
+Before any of it, the kernels each family runs and what they leave out (`deltalang.info.kernel_notes`:
+FLA installed but not bound, with its import error; FlashQLA). On CUDA it stops (exit 2) where FLA is
+not bound: the tables would compare the torch reference with itself.
+
+    python benchmarks/gpu.py [--lengths 512 4096] [--repeat 5] [--qla-lengths 4096 32768]
     python benchmarks/gpu.py --allow-cpu   # a smoke run of the code on this CPU (torch reference only)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import qwen35_08b_shaped, tokenizer_for  # noqa: E402
 
 import deltalang  # noqa: E402
-from deltalang import backends, kernels  # noqa: E402
+from deltalang import backends, families, info, kernels  # noqa: E402
 from deltalang.model import wrap_model  # noqa: E402
 from deltalang.testing import FAMILY_NAMES, tiny_checkpoint  # noqa: E402
 
@@ -153,10 +167,102 @@ def cost(device: str, dtype: torch.dtype, lengths: list[int], repeat: int) -> No
         print(f"{n:>6} | " + " | ".join(f"{c:>20}" for c in cells))
 
 
+def kernels_report(device: str) -> bool:
+    """Print what each family's prompt kernel runs and its notes; False where CUDA is here and FLA is not bound."""
+    bound = True
+    for family in FAMILY_NAMES:
+        fam = families.by_name(family)
+        b = kernels.backend(fam, fam.chunk_kernel)
+        print(f"  {family}: {fam.chunk_kernel} -> {b.describe()}")
+        bound = bound and b.compiled is not None
+    notes = {line for family in FAMILY_NAMES
+             for line in info.kernel_notes(deltalang.load_model(tiny_checkpoint(family)).spec)}
+    for line in sorted(notes):
+        print(f"  note: {line}")
+    return bound or device != "cuda"
+
+
+def _fla_chunk(qla: bool, *args: Any, **kwargs: Any) -> Any:
+    """FLA's chunk kernel itself, FlashQLA's handoff on or off for the call (FLA reads FLA_FLASH_QLA per call)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    before = os.environ.get(backends.FLASH_QLA_ENV)
+    os.environ[backends.FLASH_QLA_ENV] = "1" if qla else "0"
+    try:
+        return chunk_gated_delta_rule(*args, **kwargs)
+    finally:
+        if before is None:
+            os.environ.pop(backends.FLASH_QLA_ENV, None)
+        else:
+            os.environ[backends.FLASH_QLA_ENV] = before
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def flash_qla_check(lengths: list[int], repeat: int) -> None:
+    """Section 3 (see the module docstring): FlashQLA on and off, unsplit and split, against float32 torch."""
+    if not backends.flash_qla_on() or torch.cuda.get_device_capability()[0] < 9:
+        print("\nFlashQLA: not installed, off (FLA_FLASH_QLA=0) or not an SM90+ GPU: section 3 not run")
+        return
+    fam = families.by_name("qwen3_5")
+    torch_kernel = kernels.backend(fam, fam.chunk_kernel).reference
+    heads, dim = 16, 128  # Qwen3.5-0.8B's DeltaNet heads (key = value heads), K = V = 128
+    print(f"\nFlashQLA {backends.flash_qla_version()}: FLA's chunk kernel, bf16, batch 1, {heads} heads, K = V = "
+          f"{dim}; relative |a-b|/|b| against transformers' torch kernel in float32; split at t = n/2")
+    print(f"{'tokens':>6} | {'kernel':>8} | {'out':>9} | {'final':>9} | {'split out':>9} | {'split fin':>9} | "
+          f"{'split vs whole':>14} | {'ms':>7}")
+    for n in lengths:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        q, k, v = (torch.randn(1, n, heads, dim, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in "qkv")
+        g = torch.nn.functional.logsigmoid(torch.randn(1, n, heads, device="cuda", generator=gen)).bfloat16()
+        beta = torch.rand(1, n, heads, device="cuda", generator=gen).bfloat16()
+        kw = {"use_qk_l2norm_in_kernel": True, "output_final_state": True}
+        with torch.no_grad():
+            want_o, want_h = torch_kernel(q.float(), k.float(), v.float(), g.float(), beta.float(), **kw)
+            t = n // 2
+            for qla in (True, False):
+                o, h = _fla_chunk(qla, q, k, v, g, beta, **kw)
+                o1, h1 = _fla_chunk(qla, q[:, :t + 1], k[:, :t + 1], v[:, :t + 1], g[:, :t + 1], beta[:, :t + 1], **kw)
+                o2, h2 = _fla_chunk(qla, q[:, t + 1:], k[:, t + 1:], v[:, t + 1:], g[:, t + 1:], beta[:, t + 1:],
+                                    initial_state=h1, **kw)
+                split = torch.cat([o1, o2], dim=1)
+                ms = timed({"k": lambda: _fla_chunk(qla, q, k, v, g, beta, **kw)}, repeat, torch.cuda.synchronize)
+                print(f"{n:>6} | {'FlashQLA' if qla else 'Triton':>8} | {_rel(o, want_o):>9.3g} | "
+                      f"{_rel(h, want_h):>9.3g} | {_rel(split, want_o):>9.3g} | {_rel(h2, want_h):>9.3g} | "
+                      f"{max(_rel(split, o), _rel(h2, h)):>14.3g} | {ms['k'][0] * 1000:>7.2f}")
+
+
+def plain_flash_qla(lengths: list[int], repeat: int) -> None:
+    """The 0.8B-shaped model's plain forward with FlashQLA (dispatchers out) against deltalang's (FlashQLA off)."""
+    if not backends.flash_qla_on() or torch.cuda.get_device_capability()[0] < 9:
+        return
+    hf = qwen35_08b_shaped().to(device="cuda", dtype=torch.bfloat16)
+    wrap_model(hf, tokenizer_for(), "0.8B-shaped")  # installs deltalang's dispatchers
+    fam = families.by_name("qwen3_5")
+    print("\nplain forward, 0.8B-shaped, bf16: FlashQLA (transformers' own globals) vs deltalang's (FLA Triton)")
+    for n in lengths:
+        ids = torch.randint(3, 248000, (1, n), device="cuda")
+        with torch.no_grad():
+            mine = timed({"d": lambda: hf(ids)}, repeat, torch.cuda.synchronize)
+            ours = hf(ids).logits.float()
+            kernels.uninstall(fam)
+            try:
+                theirs_t = timed({"q": lambda: hf(ids)}, repeat, torch.cuda.synchronize)
+                theirs = hf(ids).logits.float()
+            finally:
+                kernels.install(fam)
+        print(f"{n:>6} tokens: FlashQLA {theirs_t['q'][0] * 1000:.1f} ms, deltalang's {mine['d'][0] * 1000:.1f} ms; "
+              f"logits |a-b|/|b| {_rel(theirs, ours):.3g}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--qla-lengths", type=int, nargs="+", default=[4096, 32768],
+                    help="tokens for the FlashQLA section (batch 1)")
     ap.add_argument("--allow-cpu", action="store_true", help="smoke-run on a CPU (torch reference only)")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -165,9 +271,14 @@ def main() -> int:
         return 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    fam = deltalang.families.qwen3_5
+    versions = ", ".join(f"{d} {backends.installed_version(d)}" for d in ("flash-linear-attention", "triton",
+                                                                          "flash-qla") if backends.installed_version(d))
     print(f"benchmarks/gpu.py — {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'no GPU'}), "
-          f"torch {torch.__version__}; {fam.chunk_kernel} runs: {kernels.backend(fam, fam.chunk_kernel).describe()}")
+          f"torch {torch.__version__}; {versions or 'no FLA, triton or FlashQLA installed'}; kernels:")
+    if not kernels_report(device):
+        print("FLA is not bound (see the notes above): on CUDA the tables would compare the torch reference with "
+              "itself", file=sys.stderr)
+        return 2
     rows = []
     cache_rows = []
     for family in FAMILY_NAMES:
@@ -194,6 +305,8 @@ def main() -> int:
         print(f"{name:>12} | {r:.3g}")
     if device == "cuda":
         cost(device, dtype, args.lengths, args.repeat)
+        flash_qla_check(args.qla_lengths, args.repeat)
+        plain_flash_qla(args.lengths, args.repeat)
     else:
         print("\n(--allow-cpu: the 0.8B-shaped agreement and the cost table need a GPU; not run)")
     return 0

@@ -1,8 +1,9 @@
 """The value layer through flash-linear-attention's kernels, on this CPU, under Triton's interpreter.
 
-Needs the `fla` extra (`pip install ".[fla]"`: flash-linear-attention 0.5.2, fla-core, triton
-3.8.0); skipped, with the reason, where `fla` is not installed. Run it in its own process
-(`python -m pytest tests/test_fla.py`): FLA's kernels are interpreted only when
+Needs the `fla` extra (`pip install ".[fla]"`: flash-linear-attention and fla-core 0.6, the triton
+the installed torch needs); skipped, with the reason, where `fla` is not installed, and failing, with
+the reason (`backends.note`), where it is installed but transformers did not bind it. Run it in its own
+process (`python -m pytest tests/test_fla.py`): FLA's kernels are interpreted only when
 `TRITON_INTERPRET=1` is set before `fla` is imported, and transformers imports `fla` with a
 family's modeling module; this file sets it on import, and skips if `fla` came in before.
 
@@ -41,11 +42,12 @@ pytestmark = [
 
 import torch  # noqa: E402
 from reference import Reference, Write, set_to  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 import deltalang  # noqa: E402
-from deltalang import backends, families, kernels  # noqa: E402
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint  # noqa: E402
+from deltalang import backends, families, info, kernels  # noqa: E402
+from deltalang.model import decoder_layers  # noqa: E402
+from deltalang.spec import text_config  # noqa: E402
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint  # noqa: E402
 
 PROMPT = "Paris is in"  # 11 byte tokens: the interpreter is slow
 OTHER = "I like pizz"
@@ -84,14 +86,14 @@ def loaded(request: pytest.FixtureRequest) -> Iterator[tuple[deltalang.DeltaMode
     """A family's tiny model on deltalang, its plain transformers twin, and FLA's calls counted."""
     path = tiny_checkpoint(request.param)
     model = deltalang.load_model(path)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = load_hf(path).eval()
     fam = model.family
     calls = {"chunk": 0, "recurrent": 0}
     cells = []
     for which, name in (("chunk", fam.chunk_kernel), ("recurrent", fam.recurrent_kernel)):
         b = kernels.backend(fam, name)
-        assert b.name.startswith("fla "), f"transformers did not bind FLA for {name}: {b.describe()}"
-        fn = b.compiled
+        assert b.name.startswith("fla "), f"transformers did not bind FLA for {name}: {b.describe()} {backends.note(b)}"
+        fn = b.fn  # transformers' wrapper (`b.compiled` wraps it where FlashQLA is installed)
         cell = fn.__closure__[fn.__code__.co_freevars.index("implementation")]  # type: ignore[union-attr]
         impl = cell.cell_contents
 
@@ -217,9 +219,9 @@ def test_packed_sequences_through_fla_equal_one_call_each(loaded: tuple) -> None
     model, _, calls = loaded
     fam = model.family
     layer = model.spec.linear_layers()[0]
-    mixer = getattr(model._module.model.layers[layer], fam.mixer_attr)
+    mixer = getattr(decoder_layers(model._module)[layer], fam.mixer_attr)
     torch.manual_seed(0)
-    hidden = torch.randn(1, 5 + 7, model.spec.config.hidden_size)
+    hidden = torch.randn(1, 5 + 7, text_config(model.spec.config).hidden_size)
     before = calls["chunk"]
     with torch.no_grad():
         with backends.using("compiled"):
@@ -227,3 +229,45 @@ def test_packed_sequences_through_fla_equal_one_call_each(loaded: tuple) -> None
         apart = torch.cat([mixer(hidden_states=hidden[:, :5]), mixer(hidden_states=hidden[:, 5:])], dim=1)
     assert calls["chunk"] - before == 1
     torch.testing.assert_close(packed, apart, atol=2e-5, rtol=0)
+
+
+class _Reached(Exception):
+    pass
+
+
+def test_flash_qla_is_not_reached_through_deltalang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLA 0.6's own dispatch, made to accept FlashQLA here (its verifier wants an SM90+ GPU, bf16, K = V = 128).
+
+    A direct call of FLA's kernel reaches FlashQLA; the same kernel through deltalang (split at a position) does
+    not: deltalang sets FLA_FLASH_QLA=0 for its calls where FlashQLA is installed (`backends`, docs/gpu.md).
+    """
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.backends.flash_qla import FlashQLABackend
+
+    def handoff(self: Any, q: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise _Reached(tuple(q.shape))
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, package=None: object() if name == "flash_qla" else real_find(name, package))
+    monkeypatch.setattr(FlashQLABackend, "is_available", classmethod(lambda cls: True))
+    monkeypatch.setattr(FlashQLABackend, "chunk_gated_delta_rule_verifier", lambda self, *a, **k: (True, None))
+    monkeypatch.setattr(FlashQLABackend, "chunk_gated_delta_rule", handoff)
+    monkeypatch.delenv(backends.FLASH_QLA_ENV, raising=False)
+    fam = families.by_name("qwen3_5")
+    x = torch.randn(1, 8, 2, 16)
+    with pytest.raises(_Reached):  # the control: FLA alone hands the call to FlashQLA
+        chunk_gated_delta_rule(x, x, x, torch.zeros(1, 8, 2), torch.ones(1, 8, 2))
+    kernels.uninstall(fam)  # read the kernels again, FlashQLA installed
+    kernels.install(fam)
+    try:
+        assert kernels.backend(fam, fam.chunk_kernel).handoff == backends.FLASH_QLA
+        model = deltalang.load_model(tiny_checkpoint("qwen3_5"))
+        assert any(line.startswith("FlashQLA") for line in info.kernel_notes(model.spec))
+        with backends.using("compiled"), torch.no_grad(), model.trace(PROMPT):
+            state = model.layers[model.spec.linear_layers()[0]].linear_attn.state_after(3).save()
+        assert state.shape[0] == 1 and backends.FLASH_QLA_ENV not in os.environ
+    finally:
+        monkeypatch.undo()
+        kernels.uninstall(fam)
+        kernels.install(fam)
