@@ -70,6 +70,12 @@ def head_index(value: str, head: int | None) -> str:
     return "" if head is None else "[" + ":, " * HEAD_AXIS.get(value, 2) + f"{head}]"  # states_as_run: 2
 
 
+def call_position(op: PlanOp) -> int | None:
+    """The position as the kernel call counts it: the prompt's own at step 0; at a decode step the call runs
+    one token (the program's position n+k-1), its last: -1."""
+    return -1 if (op.step or 0) > 0 and op.position is not None else op.position
+
+
 def read_expr(op: PlanOp, tracer: str = "tracer", tail: int | None = None) -> str:
     """The expression that reads `op`'s site inside a trace (`tail`: the run's tokens, if it is padded)."""
     if op.head is not None:
@@ -82,7 +88,7 @@ def read_expr(op: PlanOp, tracer: str = "tracer", tail: int | None = None) -> st
         return f"model.layers[{op.layer}].output{_tail(tail)}"
     m = mixer(op.layer)
     if op.value in ("state_after", "conv_window_after"):
-        return f"{m}.{op.value}({op.position})"
+        return f"{m}.{op.value}({call_position(op)})"
     if op.value == STATES_AS_RUN:
         return f"{m}.states_as_run"
     return f"{m}.{op.value}"
@@ -96,7 +102,7 @@ def write_stmt(op: PlanOp, value: str, tail: int | None = None) -> str:
         return f"model.layers[{op.layer}].output = {value}"
     m = mixer(op.layer)  # type: ignore[arg-type]
     if op.value in ("state_after", "conv_window_after"):
-        return f"{m}.set_{op.value}({op.position}, {value})"
+        return f"{m}.set_{op.value}({call_position(op)}, {value})"
     return f"{m}.{op.value} = {value}"
 
 
