@@ -25,6 +25,7 @@ from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_p
 
 import deltalang
 from deltalang import kernels
+from deltalang.compat import cache_kwargs
 from deltalang.errors import DeltaError
 from deltalang.testing import FAMILY_NAMES
 
@@ -118,11 +119,11 @@ def test_one_packed_sequence_with_cache_is_exact_and_its_cache_true(models: dict
     nxt = torch.tensor([[42]])
     with torch.no_grad():
         out = model._module(**kw, use_cache=True)
-        step = model._module(nxt, cache=out.past_key_values).logits
+        step = model._module(nxt, **cache_kwargs(out.past_key_values, model._module)).logits
         with plain_kernels(model):
             ref = model._module(seqs[0], use_cache=True)
             ref_cache = ref.past_key_values
-            ref_step = model._module(nxt, cache=ref_cache).logits
+            ref_step = model._module(nxt, **cache_kwargs(ref_cache, model._module)).logits
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(step, ref_step, atol=1e-4, rtol=1e-4)
     for i in model.linear_layers():
@@ -139,7 +140,7 @@ def test_packed_sequences_continuing_a_cache_are_refused(models: dict, tiny_path
     with torch.no_grad():
         cache = model._module(torch.tensor([[7, 8, 9]]), use_cache=True).past_key_values
         with pytest.raises(ValueError) as info:
-            model._module(**kw, cache=cache)
+            model._module(**kw, **cache_kwargs(cache, model._module))
     _assert_refused(info.value)
 
 
