@@ -200,7 +200,7 @@ class SavedTable:
         """The CSV as written: long format, its columns."""
         import pandas as pd
 
-        return pd.read_csv(self.path, keep_default_na=False, na_values=[""])
+        return pd.read_csv(self.path, keep_default_na=False, na_values=[""], float_precision="round_trip")
 
     @property
     def measures(self) -> list[str]:
