@@ -87,18 +87,8 @@ def examples(text: str) -> list[Example]:
     return out
 
 
-def data_files(text: str) -> dict[str, str]:
-    """{file name: text} of the page's data blocks (info string `jsonl FILE`, `csv FILE` or `tsv FILE`)."""
-    out = {}
-    for m in FENCE.finditer(text):
-        words = m[1].split()
-        if len(words) == 2 and words[0] in ("jsonl", "csv", "tsv"):
-            out[words[1]] = m[2]
-    return out
-
-
 EXAMPLES = examples(DOC.read_text(encoding="utf-8"))
-DATA = data_files(DOC.read_text(encoding="utf-8"))
+DATA = regen.data_files(DOC.read_text(encoding="utf-8"))
 SHOWN = [e for e in EXAMPLES if e.shown is not None]
 PLAIN = [e for e in EXAMPLES if e.shown is None or (e.command[0] == "check" and not e.fails)]  # SHOWN runs the rest
 
@@ -154,7 +144,7 @@ def test_the_comparison_can_fail() -> None:
     (ex,) = examples(page)
     assert ex.command == ("run", "x.dl") and ex.shown == "main.L0.states  1\n" and not ex.fails
     assert examples(page.replace("$ deltalang", "$ python"))[0].shown is None
-    assert data_files(page + '```jsonl f.jsonl\n{"prompt": "x"}\n```\n') == {"f.jsonl": '{"prompt": "x"}\n'}
+    assert regen.data_files(page + '```jsonl f.jsonl\n{"prompt": "x"}\n```\n') == {"f.jsonl": '{"prompt": "x"}\n'}
 
 
 @bundled
@@ -185,7 +175,6 @@ def test_the_page_shows_what_deltalang_prints(ex: Example, workdir: Path) -> Non
 def test_the_script_pairs_programs_and_outputs_as_the_test_does() -> None:
     page = regen.language_outputs(DOC.read_text(encoding="utf-8"))
     assert [(s.command, s.shown, s.program) for s in page] == [(e.command, e.shown, e.program) for e in SHOWN]
-    assert regen.data_files(DOC.read_text(encoding="utf-8")) == DATA
 
 
 README_SHOWN = regen.readme_outputs((ROOT / "README.md").read_text(encoding="utf-8"))
