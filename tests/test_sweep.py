@@ -118,6 +118,39 @@ def test_engine_equals_the_naive_path_on_the_other_families(family: str) -> None
         assert abs(fast.results[key] - value) <= ATOL * max(1.0, abs(value)), (family, key)
 
 
+def _glm5_selecting(path: Path) -> Path:
+    """A tiny glm5_next whose indexer drops tokens (index_topk 8 of 22, pools of 4) and whose second indexed
+    block reuses the first one's top-k (`prev_topk_indices`, handed on in the block's output tuple)."""
+    from deltalang import families, testing
+
+    cfg = testing.tiny_config("glm5_next")
+    text = cfg.text_config
+    text.layer_types = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"]
+    text.indexer_types = ["full", "full", "shared", "full"]
+    text.index_topk, text.index_kpool = 8, 4
+    torch.manual_seed(0)
+    hf = families.auto_class(cfg).from_config(cfg).eval()
+    testing._enlarge_random_weights(hf)
+    hf.save_pretrained(path)
+    testing.byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_the_engine_follows_a_sparse_indexer_and_a_shared_top_k(tmp_path: Path) -> None:
+    """The engine continues to the full run's length, so the indexer scores the same pools as the naive run
+    (its ties broken over an array as long), and a shared block gets the top-k its predecessor recomputed."""
+    model = deltalang.load_model(_glm5_selecting(tmp_path / "glm5"))
+    src = PROMPTS + ('sweep z on clean over L in L[linear], t in 10..21 {\n'
+                     '    write L.state_after(t) from other\n'
+                     f'    measure {MEASURES}\n}}\n')
+    fast = run_sweep(src, model, progress=False)
+    naive = run_sweep(src, model, progress=False, engine="naive")
+    assert fast.paths["z"] == "engine" and set(fast.results) == set(naive.results)
+    assert max(naive.results.values()) - min(naive.results.values()) > 0.1  # the cells move the measures
+    for key, value in naive.results.items():
+        assert abs(fast.results[key] - value) <= ATOL * max(1.0, abs(value)), key
+
+
 def test_cells_at_nearby_starts_share_a_forward(model: deltalang.DeltaModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """A later start joins an earlier start's forward while its rows x the positions between cost little (a
     forward's fixed cost): a sparse set of cells, like attribution's refined ones, is not one forward each.
@@ -331,7 +364,7 @@ def test_the_sweep_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert cli_main(["run", str(program), "--model", ckpt]) == 0  # `run` takes the engine too
     assert "grid: kl(clean)" in capsys.readouterr().out
     assert cli_main(["sweep", str(program), "--model", ckpt, "--resume"]) == 1
-    assert "--resume continues the sweep in an --out directory" in capsys.readouterr().err
+    assert "--resume is about the run's --out directory: give --out DIR" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------

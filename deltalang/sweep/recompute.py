@@ -28,6 +28,7 @@ import torch
 from .. import values
 from ..compat import cache_keyword, cache_kwargs
 from ..model import DeltaModel, decoder
+from . import continuation
 from .errors import Unsupported
 from .job import Cell
 
@@ -41,6 +42,18 @@ class Capture:
     kwargs: dict[int, dict[str, Any]]  # block -> its call's keyword arguments (cache removed)
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # attention block -> the cache's keys, values
     values: dict[tuple[str, int, int | None], torch.Tensor]  # (value, block, position) -> [1, ...]
+    caches: dict[int, CacheOf] = attrs.field(factory=dict)  # block -> what else its cache layer held
+    threaded: dict[int, dict[str, int]] = attrs.field(factory=dict)  # block -> {kwarg: item of the last output}
+    full_positions: bool = False  # the model keeps a position history in the cache: position embeddings whole
+
+
+@attrs.define
+class CacheOf:
+    """What a block's cache layer held after the clean run besides keys/values, states and windows."""
+
+    indexer: torch.Tensor | None = None  # an indexer's keys [1, s, ...] (`update_indexer`)
+    states: int = 1  # a linear-attention layer's number of conv/recurrent states
+    extra: dict[int, tuple[torch.Tensor, int]] = attrs.field(factory=dict)  # state_idx >= 1 -> (input [.., s], width)
 
 
 def capture_clean(model: DeltaModel, text: str, first_block: int, reads: Mapping[int, set[tuple[str, int | None]]]
@@ -77,23 +90,35 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
     """What `forward(cache)` leaves for `run_rows`, no values: `forward` is one forward of the clean prompt
     through the model given a fresh transformers cache (`**compat.cache_kwargs(cache, model), use_cache=True`),
     with or without gradients (what is kept is detached): the residual stream entering blocks first_block.. and
-    their call arguments (forward pre-hooks), the attention blocks' keys and values (the cache)."""
+    their call arguments (forward pre-hooks), which of them the previous block's output hands on (`threaded`),
+    the attention blocks' keys and values (a sliding window's cache told to keep them all) and indexer keys,
+    and the inputs of any further convolution state a linear-attention layer keeps (`CacheOf`)."""
     from transformers import DynamicCache
 
     hf = model._module
     layers = decoder(hf).layers
     inputs: dict[int, torch.Tensor] = {}
     kwargs: dict[int, dict[str, Any]] = {}
+    threaded: dict[int, dict[str, int]] = {}
+    last: list[Any] = [None]
 
     def recorder(i: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, kw: dict) -> None:
             inputs[i] = (args[0] if args else kw["hidden_states"]).detach()
             kwargs[i] = {k: _detached(v) for k, v in kw.items() if k != "hidden_states"}
+            prev = last[0] if isinstance(last[0], tuple) else ()
+            threaded[i] = {k: j for k, v in kw.items() for j, x in enumerate(prev)
+                           if j > 0 and isinstance(v, torch.Tensor) and v is x}
         return hook
+
+    def output(module: torch.nn.Module, args: tuple, out: Any) -> None:
+        last[0] = out
 
     hooks = [layers[i].register_forward_pre_hook(recorder(i), with_kwargs=True)
              for i in range(first_block, len(layers))]
+    hooks += [layer.register_forward_hook(output) for layer in layers]
     cache = DynamicCache(config=hf.config)
+    caches = _watch(cache)
     try:
         result = forward(cache)
     finally:
@@ -106,12 +131,37 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
             if getattr(layer, "keys", None) is None:
                 raise Unsupported(f"block {i}'s cache holds no keys ({type(layer).__name__})")
             kv[i] = (layer.keys.detach(), layer.values.detach())
+            if getattr(layer, "indexer_keys", None) is not None:
+                caches.setdefault(i, CacheOf()).indexer = layer.indexer_keys.detach()
     missing = [i for i in range(first_block, len(layers))
                if i not in inputs or cache_keyword(layers[i]) not in kwargs[i]]
     if missing:
         raise Unsupported(f"blocks {missing} were not called with a cache")
     seq_len = int(next(iter(inputs.values())).shape[1])
-    return result, Capture(seq_len, inputs, kwargs, kv, {})
+    history = any(getattr(layer, "indexer_position_ids", None) is not None for layer in cache.layers)
+    return result, Capture(seq_len, inputs, kwargs, kv, {}, caches, threaded, history)
+
+
+def _watch(cache: Any) -> dict[int, CacheOf]:
+    """Keep every key of a sliding window's cache layer, and record each linear-attention layer's further
+    convolution states (state_idx >= 1: their whole input and width) as the forward updates them."""
+    out: dict[int, CacheOf] = {}
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()  # the same keys returned; all of them kept
+        states = getattr(layer, "number_of_states", None)
+        if states is None:
+            continue
+        mine = out.setdefault(i, CacheOf(states=states))
+
+        def update(conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                   _orig: Any = layer.update_conv_state, _mine: CacheOf = mine, **kw: Any) -> torch.Tensor:
+            got = _orig(conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size, **kw)
+            if state_idx:
+                _mine.extra[state_idx] = (conv_states.detach(), int(conv_kernel_size or conv_states.shape[-1]))
+            return got
+        layer.update_conv_state = update
+    return out
 
 
 def _detached(v: Any) -> Any:
@@ -131,46 +181,45 @@ def prefix_reads(model: DeltaModel, first_block: int, start: int) -> dict[int, s
             for i in model.spec.linear_layers() if i >= first_block}
 
 
-class _FrozenAttention:
-    """Builds an attention block's cache layer holding the clean prefix's keys and values."""
+def _frozen_attention(keys: torch.Tensor, vals: torch.Tensor, held: CacheOf | None, start: int, rows: int) -> Any:
+    """An attention block's cache layer holding the clean prefix [0, start) for `rows` rows: a plain
+    `DynamicLayer` (a sliding window's mask is made over all the prefix's keys), a `DynamicIndexedLayer`
+    where the block's indexer keeps keys. Fresh for each call, so it stores what the call adds as usual."""
+    from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 
-    @staticmethod
-    def make(keys: torch.Tensor, vals: torch.Tensor, rows: int) -> Any:
-        from transformers.cache_utils import DynamicLayer
+    def cut(x: torch.Tensor, axis: int) -> torch.Tensor:
+        x = x.narrow(axis, 0, start)
+        return x.expand(rows, *x.shape[1:])
 
-        class FrozenAttentionLayer(DynamicLayer):
-            """The prefix's keys/values for `rows` rows; a call attends to them and its own, and stores nothing."""
-
-            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-                       **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
-                keys: Any = self.keys
-                vals: Any = self.values
-                return torch.cat([keys, key_states], dim=-2), torch.cat([vals, value_states], dim=-2)
-
-        layer: Any = FrozenAttentionLayer()
-        layer.keys = keys.expand(rows, *keys.shape[1:])
-        layer.values = vals.expand(rows, *vals.shape[1:])
-        layer.is_initialized = True
-        layer.device = keys.device
-        return layer
+    indexer = held.indexer if held is not None else None
+    layer: Any = DynamicLayer() if indexer is None else DynamicIndexedLayer()
+    layer.keys, layer.values = cut(keys, -2), cut(vals, -2)
+    layer.is_initialized, layer.device = True, keys.device
+    if indexer is not None:
+        layer.indexer_keys = cut(indexer, 1)
+        layer.is_indexer_initialized = True
+        layer.indexer_dtype, layer.indexer_device = indexer.dtype, indexer.device
+    return layer
 
 
 class _FrozenLinear:
-    """Builds a DeltaNet block's cache layer holding the state and conv window after the prefix."""
+    """Builds a DeltaNet block's cache layer holding the state and conv windows after the prefix."""
 
     @staticmethod
-    def make(window: torch.Tensor | None, state: torch.Tensor | None, width: int, rows: int) -> Any:
+    def make(window: torch.Tensor | None, state: torch.Tensor | None, width: int, rows: int,
+             held: CacheOf | None = None, start: int = 0) -> Any:
         from transformers.cache_utils import LinearAttentionLayer
 
         class FrozenLinearLayer(LinearAttentionLayer):
-            """State and window after the prefix; records the call's final state instead of storing it."""
+            """State and windows after the prefix; records the call's final state instead of storing it."""
 
             final: torch.Tensor | None = None
 
             def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0,
                                   conv_kernel_size: int | None = None, **kw: Any) -> torch.Tensor:
                 if not self.has_previous_state[state_idx]:
-                    short = width - conv_states.shape[-1]
+                    wide = width if state_idx == 0 else int(conv_kernel_size or conv_states.shape[-1])
+                    short = wide - conv_states.shape[-1]
                     return torch.nn.functional.pad(conv_states, (short, 0)) if short > 0 else conv_states
                 cached: Any = self.conv_states[state_idx]
                 return torch.cat([cached, conv_states], dim=-1)
@@ -180,7 +229,7 @@ class _FrozenLinear:
                 self.final = recurrent_states
                 return recurrent_states
 
-        layer: Any = FrozenLinearLayer()
+        layer: Any = FrozenLinearLayer(number_of_states=held.states if held is not None else 1)
         layer.conv_kernel_size[0] = width
         if window is not None and state is not None:
             # the cache keeps `width` columns; the first is never read by a continuation
@@ -190,77 +239,54 @@ class _FrozenLinear:
             layer.has_previous_state[0] = True
             layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
             layer.device, layer.dtype = window.device, window.dtype
+            for idx, (x, wide) in (held.extra.items() if held is not None else ()):
+                layer.conv_states[idx] = _extra_state(x, wide, start).expand(rows, *x.shape[1:-1], wide)
+                layer.conv_kernel_size[idx] = wide
+                layer.has_previous_state[idx] = layer.is_conv_states_initialized[idx] = True
         return layer
+
+
+def _extra_state(x: torch.Tensor, wide: int, start: int) -> torch.Tensor:
+    """A further convolution state after the prefix [0, start): the last `wide` columns of its input there,
+    as the cache keeps them (zero-filled on the left after fewer tokens)."""
+    if start >= wide:
+        return x[..., start - wide:start]
+    if x.is_floating_point():
+        return torch.nn.functional.pad(x[..., :start], (wide - start, 0))
+    raise Unsupported(f"a cache state of token ids {wide} wide after only {start} tokens: the model's own code "
+                      "pads so short a prefix itself")
 
 
 def _prefix_cache(model: DeltaModel, cap: Capture, start: int) -> Any:
     """A transformers cache of the clean prefix [0, start), one row per block (resized per call)."""
     from transformers.cache_utils import Cache
 
-    layers: list[Any] = []
+    return Cache(layers=[_prefix_layer(model, cap, i, start, 1) for i in range(model.spec.num_layers)])
+
+
+def _prefix_layer(model: DeltaModel, cap: Capture, i: int, start: int, rows: int) -> Any:
+    held = cap.caches.get(i)
+    if model.spec.kind(i) == values.ATTENTION:
+        keys, vals = cap.kv[i]
+        return _frozen_attention(keys, vals, held, start, rows)
     width = model.spec.dims.get("conv_width", 4)
-    for i in range(model.spec.num_layers):
-        if model.spec.kind(i) == values.ATTENTION:
-            keys, vals = cap.kv[i]
-            layers.append(_FrozenAttention.make(keys[..., :start, :], vals[..., :start, :], 1))
-        else:
-            layers.append(_prefix_linear(cap, i, start, width, 1))
-    return Cache(layers=layers)
-
-
-def _prefix_linear(cap: Capture, i: int, start: int, width: int, rows: int) -> Any:
     if start == 0 or ("state_after", i, start - 1) not in cap.values:
-        return _FrozenLinear.make(None, None, width, rows)
+        return _FrozenLinear.make(None, None, width, rows, held, start)
     return _FrozenLinear.make(cap.values[("conv_window_after", i, start - 1)][0:1],
-                              cap.values[("state_after", i, start - 1)][0:1], width, rows)
+                              cap.values[("state_after", i, start - 1)][0:1], width, rows, held, start)
 
 
 def _resize(model: DeltaModel, cache: Any, cap: Capture, i: int, start: int, rows: int) -> None:
-    """Give block i's cache layer `rows` rows."""
-    if model.spec.kind(i) == values.ATTENTION:
-        keys, vals = cap.kv[i]
-        cache.layers[i] = _FrozenAttention.make(keys[..., :start, :], vals[..., :start, :], rows)
-    else:
-        cache.layers[i] = _prefix_linear(cap, i, start, model.spec.dims.get("conv_width", 4), rows)
+    """Give block i's cache layer `rows` rows (a fresh layer of the prefix)."""
+    cache.layers[i] = _prefix_layer(model, cap, i, start, rows)
 
 
 def _masks(model: DeltaModel, cap: Capture, cache: Any, start: int) -> dict[str, Any]:
     """The attention masks of a continuation from `start`, per layer type, as the model makes them."""
-    from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask
-
-    hf = model._module
-    config = decoder(hf).config
-    some = next(iter(cap.inputs.values()))
-    dummy = torch.empty(1, cap.seq_len - start, some.shape[-1], dtype=some.dtype, device=some.device)
-    positions = torch.arange(start, cap.seq_len, device=some.device)[None]
-    out: dict[str, Any] = {}
-    for kind in set(model.spec.layer_types):
-        if kind == "full_attention":
-            out[kind] = create_causal_mask(config=config, inputs_embeds=dummy, attention_mask=None,
-                                           position_ids=positions, **cache_kwargs(cache, create_causal_mask))
-        elif kind == "linear_attention":
-            out[kind] = create_recurrent_attention_mask(config=config, inputs_embeds=dummy, attention_mask=None,
-                                                        **cache_kwargs(cache, create_recurrent_attention_mask))
-        else:
-            raise Unsupported(f"layer type {kind!r}")
-    return out
-
-
-def _call_kwargs(kw: Mapping[str, Any], start: int, cache: Any, mask: Any,
-                 block: torch.nn.Module) -> dict[str, Any]:
-    """A block's clean call arguments, cut to positions start.. of a continuation over `cache` (under the
-    keyword `block` takes)."""
-    out = dict(kw)
-    out.update(cache_kwargs(cache, block))
-    if "attention_mask" in out:
-        out["attention_mask"] = mask
-    pe = out.get("position_embeddings")
-    if pe is not None:
-        out["position_embeddings"] = tuple(x[..., start:, :] for x in pe)
-    pid = out.get("position_ids")
-    if isinstance(pid, torch.Tensor):
-        out["position_ids"] = pid[..., start:]
-    return out
+    types = model.spec.layer_types
+    kinds = {kind: types.index(kind) for kind in dict.fromkeys(types)}
+    return continuation.masks(decoder(model._module).config, cache, kinds, cap.seq_len, start,
+                              next(iter(cap.inputs.values())))
 
 
 @attrs.frozen
@@ -307,11 +333,13 @@ def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
     want = set(state_outputs)
     finals: dict[int, torch.Tensor] = {}
     h: torch.Tensor | None = None
+    out: Any = None
     for i in range(starts[0], model.spec.num_layers):
         k = bisect.bisect_right(starts, i)
         have = 0 if h is None else h.shape[0]
         if k > have:
-            fresh = cap.inputs[i][:, start:].expand(k - have, -1, -1)
+            clean = cap.inputs[i][:, start:]
+            fresh = clean.expand(k - have, *clean.shape[1:])
             h = fresh if h is None else torch.cat([h, fresh], dim=0)
         assert h is not None
         _resize(model, cache, cap, i, start, k)
@@ -320,7 +348,12 @@ def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
             site.direct = _direct_writes(rows[:k], i, start)
         try:
             block = dec.layers[i]
-            out = block(h, **_call_kwargs(cap.kwargs[i], start, cache, masks[model.spec.layer_types[i]], block))
+            kw = continuation.call_kwargs(cap.kwargs[i], cap.seq_len, start, cache, masks[model.spec.layer_types[i]],
+                                          block, k, cap.full_positions)
+            for name, j in cap.threaded.get(i, {}).items():
+                kw[name] = continuation.threaded_value(cap.kwargs[i][name], None if out is None else out[j],
+                                                       have, k, start)
+            out = block(h, **kw)
         finally:
             if site is not None:
                 site.direct = {}
@@ -329,7 +362,7 @@ def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
         if final is not None:
             finals[i] = final
     assert h is not None
-    logits = hf.get_output_embeddings()(dec.norm(h[:, -1:]))[:, -1]
+    logits = hf.get_output_embeddings()(continuation.tail(dec)(h[:, -1:]))[:, -1]
     return RowsOut(logits, finals)
 
 

@@ -1,0 +1,143 @@
+"""A continuation's block calls, as the model's own forward would make them after a prefix: `recompute`'s half.
+
+Contract. `recompute.run_rows` feeds blocks L.. at positions start.. over a transformers cache of the
+clean prefix; this module says what each block call takes there, read off the clean capture and the
+model's code rather than per family:
+- `masks`: one attention mask per layer type, made by transformers' own mask function for that type
+  (`MASK_MAKERS`: `create_causal_mask`, `create_sliding_window_causal_mask`, `create_recurrent_attention_mask`;
+  an indexer's layer always gets a mask, as the model asks with `allow_is_causal_skip=False`);
+- `call_kwargs`: a block's clean call arguments cut to start..: the cache, a 4-D (or absent) attention mask
+  rebuilt for the block's layer type, per-token `[1, s]` tensors (token ids, a padding mask) and
+  position ids cut, position embeddings cut (kept whole where the model keeps a position history in the
+  cache: an indexer's keys are scored over every position); each expanded to the call's rows;
+- threaded outputs: a block's forward returning a tuple whose later items the model passes to the next
+  block (glm5_next's `prev_topk_indices`) is found in the capture (`threaded`), and fed from the
+  previous block's recomputed output;
+- `tail`: what the decoder's forward does to the residual stream after its blocks (`self.norm(...)`,
+  `self.norm(self.hc_head(...))`, `self.hyper_connection_mixer(...)`), read off that forward's code.
+Anything else is `Unsupported` with its reason (the engine then takes the naive path).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..compat import cache_kwargs
+from .errors import Unsupported
+
+MASK_MAKERS = {"full_attention": "create_causal_mask", "indexed_attention": "create_causal_mask",
+               "sliding_attention": "create_sliding_window_causal_mask",
+               "chunked_attention": "create_chunked_causal_mask",
+               "linear_attention": "create_recurrent_attention_mask"}
+NO_SKIP = {"indexed_attention"}  # an indexer overlays its selection on the mask: the model always makes one
+
+
+def masks(config: Any, cache: Any, kinds: Mapping[str, int], seq_len: int, start: int, like: torch.Tensor
+          ) -> dict[str, Any]:
+    """The attention mask of a continuation from `start` for each layer type in `kinds` (type -> its first block)."""
+    from transformers import masking_utils
+
+    dummy = torch.empty(1, seq_len - start, 1, dtype=like.dtype, device=like.device)
+    positions = torch.arange(start, seq_len, device=like.device)[None]
+    out: dict[str, Any] = {}
+    for kind, first in kinds.items():
+        name = MASK_MAKERS.get(kind)
+        if name is None:
+            raise Unsupported(f"layer type {kind!r}: no transformers mask function is known for it")
+        fn = getattr(masking_utils, name)
+        params = inspect.signature(fn).parameters
+        kw: dict[str, Any] = {"config": config, "inputs_embeds": dummy, "attention_mask": None}
+        if "position_ids" in params:
+            kw["position_ids"] = positions
+        if "layer_idx" in params:
+            kw["layer_idx"] = first
+        if kind in NO_SKIP and "allow_is_causal_skip" in params:
+            kw["allow_is_causal_skip"] = False
+        out[kind] = fn(**kw, **cache_kwargs(cache, fn))
+    return out
+
+
+def is_token_tensor(v: Any, seq_len: int) -> bool:
+    """A per-token `[1, s]` tensor (token ids, a padding mask)."""
+    return isinstance(v, torch.Tensor) and v.dim() == 2 and tuple(v.shape) == (1, seq_len)
+
+
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x.expand(rows, *x.shape[1:]) if x.shape[0] == 1 and rows != 1 else x
+
+
+def call_kwargs(kw: Mapping[str, Any], seq_len: int, start: int, cache: Any, mask: Any, block: torch.nn.Module,
+                rows: int, full_positions: bool) -> dict[str, Any]:
+    """A block's clean call arguments, cut to positions start.. of a continuation over `cache` (under the
+    keyword `block` takes), for `rows` rows (see the module's contract)."""
+    out = dict(kw)
+    out.update(cache_kwargs(cache, block))
+    am = out.get("attention_mask", ...)
+    if am is not ... and not is_token_tensor(am, seq_len):
+        out["attention_mask"] = _rows(mask, rows) if isinstance(mask, torch.Tensor) else mask  # an indexer reads rows
+    pe = out.get("position_embeddings")
+    if isinstance(pe, tuple):
+        out["position_embeddings"] = tuple(_rows(x if full_positions else x[..., start:, :], rows) for x in pe)
+    for name, v in kw.items():
+        if is_token_tensor(v, seq_len):
+            out[name] = _rows(v[:, start:], rows)
+        elif name == "position_ids" and isinstance(v, torch.Tensor):
+            out[name] = v[..., start:]
+    return out
+
+
+def threaded_value(clean: torch.Tensor | None, previous: Any, have: int, rows: int, start: int) -> Any:
+    """A threaded argument for `rows` rows: the previous block's recomputed output for the first `have`, the
+    clean one (cut to start..) for the rows starting here."""
+    fresh = None if clean is None else _rows(clean[:, start:], rows - have)
+    if have == 0 or previous is None:
+        return fresh
+    if fresh is None or rows == have:
+        return previous
+    return torch.cat([previous, fresh], dim=0)
+
+
+def tail(dec: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the decoder's forward applies to the residual stream after its blocks: its statements between the
+    loop over `self.layers` and the return, each `hidden_states = self.a(self.b(... hidden_states))`."""
+    fn = inspect.unwrap(type(dec).forward)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    loops = [n for n, s in enumerate(body) if isinstance(s, ast.For) and "self.layers" in ast.unparse(s.iter)]
+    if not loops:
+        raise Unsupported(f"{type(dec).__name__}.forward has no loop over self.layers the engine can follow")
+    chains: list[list[str]] = []
+    for stmt in body[loops[-1] + 1:]:
+        if isinstance(stmt, ast.Return):
+            break
+        chain = _chain(stmt)
+        if chain is None:
+            raise Unsupported(f"{type(dec).__name__}.forward after its blocks: {ast.unparse(stmt)!r}")
+        chains.append(chain)
+
+    def apply(h: torch.Tensor) -> torch.Tensor:
+        for chain in chains:
+            for name in reversed(chain):
+                h = getattr(dec, name)(h)
+        return h
+    return apply
+
+
+def _chain(stmt: ast.stmt) -> list[str] | None:
+    """`hidden_states = self.a(self.b(hidden_states))` -> ["a", "b"]; None for anything else."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    target, expr, names = stmt.targets[0].id, stmt.value, []
+    while isinstance(expr, ast.Call) and len(expr.args) == 1 and not expr.keywords:
+        f = expr.func
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+            return None
+        names.append(f.attr)
+        expr = expr.args[0]
+    return names if isinstance(expr, ast.Name) and expr.id == target and names else None
