@@ -4,6 +4,8 @@ Side by side, in one run, on a random model with Qwen3.5-0.8B's shapes:
   plain          transformers' forward
   nnsight/final  hand-written nnsight reading all 18 final states (`.source` on the kernel call)
   split          deltalang: set_state_after(t) on all 18 blocks, by splitting the chunked kernel
+  read           deltalang: state_after(t) read on all 18 blocks (the forward's call unchanged, the
+                 prefix's kernel call beside it)
   token          the same through the token-by-token route (route_kernels(family, "torch"))
   states         deltalang: `states` (the state after every token) on all 18 blocks, each reduced
                  to its per-token norm inside the trace (`kernels.per_token`: chunked)
@@ -34,7 +36,7 @@ import deltalang  # noqa: E402
 from deltalang import kernels  # noqa: E402
 from deltalang.model import wrap_model  # noqa: E402
 
-CASES = ("plain", "nnsight/final", "split", "token", "states", "states/loop")
+CASES = ("plain", "nnsight/final", "split", "read", "token", "states", "states/loop")
 
 
 def _rss() -> int:
@@ -102,6 +104,14 @@ def main() -> None:
                     model.layers[i].linear_attn.set_state_after(t, donor)
                 model.logits.save()
 
+        def read() -> None:
+            saved = []
+            with model.trace(ids):
+                for i in linear:
+                    saved.append(model.layers[i].linear_attn.state_after(t).save())
+                model.logits.save()
+            assert len(saved) == len(linear)
+
         def token() -> None:
             deltalang.route_kernels(model.family, "torch")
             try:
@@ -126,7 +136,7 @@ def main() -> None:
             finally:
                 kernels.per_token = chunked
 
-        every = {"plain": plain, "nnsight/final": nnsight_final, "split": split, "token": token,
+        every = {"plain": plain, "nnsight/final": nnsight_final, "split": split, "read": read, "token": token,
                  "states": states, "states/loop": states_loop}
         cases = {k: every[k] for k in args.cases}
         if "plain" not in cases:
@@ -145,6 +155,7 @@ def main() -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"benchmarks/values.py — {datetime.datetime.now():%Y-%m-%d %H:%M} — {machine()}; load average {load}")
     print("random Qwen3.5-0.8B-shaped model, all 18 DeltaNet blocks: set_state_after(t = n/2) (split, token), "
+          "state_after(t) read (read), "
           f"`states` reduced to per-token norms (states, states/loop); median of {args.repeat}, "
           f"{args.warmup} warm-up; "
           "time relative to the plain forward, [peak memory above rest]")

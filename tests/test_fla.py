@@ -139,7 +139,7 @@ def test_reads_through_fla_equal_transformers(loaded: tuple, torch_truth: None) 
     ids = _ids(model, PROMPT)
     n = ids.shape[1]
     layers = model.spec.linear_layers()
-    positions = (2, n - 1)  # split in two: [0, 2] and [3, n)
+    positions = (2, n - 1)  # the forward's call, and [0, 2] beside it (n - 1: the call's final state)
     got: dict[tuple[int, str, int], torch.Tensor] = {}
     before = calls["chunk"]
     with backends.using("compiled"), torch.no_grad(), model.trace(PROMPT):
@@ -157,6 +157,32 @@ def test_reads_through_fla_equal_transformers(loaded: tuple, torch_truth: None) 
         want = truth.value(i, name, position=t if t >= 0 else None)
         torch.testing.assert_close(value, want, atol=2e-5, rtol=0, msg=f"L{i}.{name} {t}")
     torch.testing.assert_close(logits, truth.value(None, "logits"), atol=1e-4, rtol=0)
+
+
+def test_reads_through_fla_leave_the_forward_bitwise_unchanged(loaded: tuple) -> None:
+    """A read changes nothing on FLA's kernels either: logits and every block's output bit for bit."""
+    model, _, calls = loaded
+    layers = model.spec.linear_layers()
+
+    def trace(read: bool) -> tuple[torch.Tensor, list[Any]]:
+        outs: list[Any] = []
+        before = calls["chunk"]
+        with backends.using("compiled"), torch.no_grad(), model.trace(PROMPT):
+            for i in range(len(model.layers)):
+                if read and i in layers:
+                    mix = model.layers[i].linear_attn
+                    mix.states.save()
+                    mix.state_after(3).save()
+                    mix.state_after(-2).save()
+                outs.append(model.layers[i].output.save())
+            logits = model.logits.save()
+        assert calls["chunk"] > before  # FLA ran
+        return logits, outs
+
+    (plain, plain_outs), (read, read_outs) = trace(False), trace(True)
+    assert torch.equal(plain, read), float((plain - read).abs().max())
+    for x, y in zip(plain_outs, read_outs):
+        assert torch.equal(x[0] if isinstance(x, tuple) else x, y[0] if isinstance(y, tuple) else y)
 
 
 def test_writes_at_positions_through_fla_equal_transformers(loaded: tuple, torch_truth: None) -> None:

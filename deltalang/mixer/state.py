@@ -1,13 +1,15 @@
-"""One delta-rule call of a mixer, split at the positions the running trace asks for.
+"""One delta-rule call of a mixer: reads served beside it, the call split where a write waits.
 
 The values are served from inside the kernel call (see `deltalang.kernels`):
 the kernel's inputs are the queries, keys, values, decays and betas; its initial
 state is `state_input`; its outputs are the head outputs and `state_output`.
-Per-position states are served lazily: before running the prompt, the site
-looks at which `state_after` positions a worker is parked on, runs the chunked
-kernel up to the first, serves (and maybe replaces) the state there, looks
-again, and continues with `initial_state` from it. Only the positions an
-experiment asks for are ever materialised, and the work is the chunked kernel's.
+A trace that only reads runs the call unchanged (its logits are those of the
+same trace without the reads, bit for bit): `states` comes from the chunked rule
+(`deltalang.deltarule`) beside it, `state_after(t)` from the kernel over the
+prefix (`reads`). Where a worker waits to write `state_after`, the call is split
+lazily: before running the prompt, the site looks at which positions a worker is
+parked on, runs the chunked kernel up to the first, serves (and maybe replaces)
+the state there, looks again, and continues with `initial_state` from it.
 
 The kernel split is the one `deltalang.kernels` chose for the call's device
 (flash-linear-attention's on CUDA tensors where it is installed, transformers'
@@ -23,6 +25,8 @@ import torch
 
 from .. import kernels
 from ..errors import DeltaValueError
+from .reads import read_only, serve_reads
+from .reduced import serve_reduced
 from .requests import Requests
 from .rows import split_by_rows
 
@@ -84,48 +88,56 @@ class DeltaRuleCall(Requests):
             return out, final
 
         s = query.shape[1]
-        if self.wants("states"):
-            # every position: the token-by-token kernel, once; segments before any write are
-            # slices of it, so `states` and `state_after(t)` agree bit for bit
-            token_fn = kernels.token_by_token(self.family)
-            full, states = kernels.per_token(self.family, query, key, value, g, beta, initial, l2)
-            self.serve("states", states, step)  # read-only: a write is refused on the user side
-            clean = [initial]
-
-            def run(a: int, b: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-                if state is clean[-1]:  # a copy: a view would keep the states' buffer from reuse
-                    clean.append(states[:, b - 1].clone())
-                    return full[:, a:b], clean[-1]
-                out, final = token_fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b],
-                                      beta=beta[:, a:b], initial_state=state, output_final_state=True,
-                                      use_qk_l2norm_in_kernel=l2)
-                return out, final
-
-        def run_aligned(parts: list[tuple[list[int], int, int]], states: list[torch.Tensor | None]
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-            width = max(e - a for _, a, e in parts)
-            inputs = [_aligned(x, parts, width) for x in (query, key, value, g, beta)]
-            start = None if all(x is None for x in states) else torch.cat([
-                x if x is not None else torch.zeros(len(rows), *self._state_shape(value)[1:], dtype=torch.float32,
-                                                    device=value.device) for x, (rows, _, _) in zip(states, parts)])
-            return fn(inputs[0], inputs[1], inputs[2], g=inputs[3], beta=inputs[4], initial_state=start,
-                      output_final_state=True, use_qk_l2norm_in_kernel=l2)
-
-        grouped = None if self.wants("states") else split_by_rows(
-            self, run_aligned, s, initial, step, query, l2)  # rows asking for different positions
-        if grouped is not None:
-            pieces, state, self.row_segments = [grouped[0]], grouped[1], grouped[2]
+        serve_reduced(self, step, query, key, value, g, beta, initial, l2)  # reductions of `states`, beside it
+        if read_only(self):  # the unchanged call; the states asked for computed beside it
+            out, state = run(0, s, initial)
+            self._serve_states(step, (query, key, value, g, beta), initial, l2, state)
+            out, state, self.row_segments = serve_reads(self, fn, out, state, initial, step,
+                                                        (query, key, value, g, beta), l2)
         else:
-            pieces, state = self._split(run, s, initial, step, query, l2)
-            self.row_segments = [(list(range(query.shape[0])), self.segments)]
+            self._serve_states(step, (query, key, value, g, beta), initial, l2, None)
+            out, state = self._split_writes(fn, run, s, initial, step, (query, key, value, g, beta), l2)
         if self.wants("states_as_run"):
             self.serve("states_as_run", self._as_run(query, key, value, g, beta, l2), step)
-        out = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
         out = self.serve("attention_head_outputs", out, step)
         final = self.serve("state_output", state, step)
         if final is not state:
             final = self._checked_state(final, value, "state_output")
         return out, (final if want_final else None)
+
+    def _serve_states(self, step: int, inputs: tuple[torch.Tensor, ...], initial: torch.Tensor | None, l2: bool,
+                      final: torch.Tensor | None) -> None:
+        """`states`, from the chunked rule beside the forward's call (which is the same with or without it);
+        the last is the call's own final state where it ran unchanged (`final`)."""
+        if self.wants("states"):
+            states = kernels.per_token(self.family, *inputs, initial, l2)[1]
+            if final is not None:
+                states[:, -1] = final
+            self.serve("states", states, step)  # read-only: a write is refused on the user side
+
+    def _split_writes(self, fn: Callable[..., Any], run: Callable[..., tuple[torch.Tensor, torch.Tensor]], s: int,
+                      initial: torch.Tensor | None, step: int, inputs: tuple[torch.Tensor, ...], l2: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A write waits: the call split at the asked positions (by row groups where rows ask apart)."""
+        query, key, value, g, beta = inputs
+
+        def run_aligned(parts: list[tuple[list[int], int, int]], states: list[torch.Tensor | None]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+            width = max(e - a for _, a, e in parts)
+            args = [_aligned(x, parts, width) for x in (query, key, value, g, beta)]
+            start = None if all(x is None for x in states) else torch.cat([
+                x if x is not None else torch.zeros(len(rows), *self._state_shape(value)[1:], dtype=torch.float32,
+                                                    device=value.device) for x, (rows, _, _) in zip(states, parts)])
+            return fn(args[0], args[1], args[2], g=args[3], beta=args[4], initial_state=start,
+                      output_final_state=True, use_qk_l2norm_in_kernel=l2)
+
+        grouped = split_by_rows(self, run_aligned, s, initial, step, query, l2)  # rows asking apart
+        if grouped is not None:
+            self.row_segments = grouped[2]
+            return grouped[0], grouped[1]
+        pieces, state = self._split(run, s, initial, step, query, l2)
+        self.row_segments = [(list(range(query.shape[0])), self.segments)]
+        return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]), state
 
     def _as_run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, l2: bool) -> torch.Tensor:

@@ -1,0 +1,223 @@
+"""Reads of `state_after(t)` served beside the forward's unchanged kernel call: `read_only`, `serve_reads`.
+
+An observation must not change what it observes: when no worker waits to write a state, the forward's
+delta-rule call runs once over the whole prompt, exactly as without the trace, and the state after t is
+computed on the side by the same kernel over the prefix tokens' inputs (what transformers' cache after t+1
+tokens holds): each position from the prefix alone, whatever else is read, so a read's value does not
+depend on the other reads either. Requests at one position share one side call (their rows stacked); the
+state after the call's last token is the forward call's own final state.
+
+A worker that writes the state it was served (`*= 0.5`: a read, then a write of the same location) splits
+its own rows there, as a write must: their token t reads the written state, the kernel runs again from
+t+1 for those rows, and their later reads start from the written state. A write waiting from the start
+(`read_only` false) is the split of `state`/`rows` instead, which costs no extra call.
+
+Contract: `read_only(call)`; `serve_reads(call, fn, out, final, initial, step, inputs, l2)` returns the
+head outputs, the final state and each row group's segments `(start, end, state at start)`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from nnsight.intervention.interleaver import Event
+
+from .. import kernels
+from .rows import CHUNK, Segments, _invokes
+
+if TYPE_CHECKING:
+    from .state import DeltaRuleCall
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v, g, beta
+
+
+def read_only(call: DeltaRuleCall) -> bool:
+    """Whether no write of a `state_after` position waits (the engine's direct writes included)."""
+    if any(kind == "state_after" for kind, _ in call.direct):
+        return False
+    prefix = call.path + ".state_after."
+    for m in call._mediators():
+        p = m.pending
+        if p is not None and p.event is Event.SWAP and p.provider and p.provider.startswith(prefix):
+            return False
+    return True
+
+
+def _run(fn: Callable[..., Any], inputs: Inputs, rows: list[int], a: int, e: int,
+         state: torch.Tensor | None, l2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over rows' tokens [a, e) from `state` (None: zeros): outputs and the final state."""
+    b = inputs[0].shape[0]
+    idx: Any = slice(None) if rows == list(range(b)) else rows
+    q, k, v, g, beta = (x[idx, a:e] for x in inputs)
+    return fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+
+
+class _Rows:
+    """Each row's base (where the forward's call for it starts, the state there) and its segments."""
+
+    def __init__(self, b: int, s: int, initial: torch.Tensor | None) -> None:
+        self.b, self.s, self.initial = b, s, initial
+        self.pos = [0] * b
+        self.state: list[torch.Tensor | None] = [None] * b  # None: the call's initial state
+        self.spans: list[list[tuple[int, int]]] = [[(0, s)] for _ in range(b)]
+        self.starts: list[list[torch.Tensor]] = [[] for _ in range(b)]  # the state at each later span's start
+
+    def start(self, rows: list[int]) -> torch.Tensor | None:
+        """The state the rows' forward call starts from (rows of one base position)."""
+        if all(self.state[r] is None for r in rows):
+            return None if self.initial is None else self.initial[rows]
+        like = next(x for x in self.state if x is not None)
+        return torch.stack([x if (x := self.state[r]) is not None else
+                            torch.zeros_like(like) if self.initial is None else self.initial[r].to(like)
+                            for r in rows])
+
+    def by_base(self, rows: list[int]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for r in rows:
+            out.setdefault(self.pos[r], []).append(r)
+        return out
+
+    def write(self, rows: list[int], p: int, new: torch.Tensor) -> None:
+        for i, r in enumerate(rows):
+            self.pos[r], self.state[r] = p + 1, new[i]
+            a, e = self.spans[r][-1]
+            if p + 1 < e:
+                self.spans[r][-1:] = [(a, p + 1), (p + 1, e)]
+                self.starts[r].append(new[i])
+
+    def row_segments(self) -> list[tuple[list[int], Segments]]:
+        """The rows grouped by where they were written, with each span's starting state."""
+        groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        for r in range(self.b):
+            groups.setdefault(tuple(self.spans[r]), []).append(r)
+        out = []
+        for spans, rows in groups.items():
+            first = None if self.initial is None else (self.initial if len(rows) == self.b else self.initial[rows])
+            segs: Segments = [(spans[0][0], spans[0][1], first)]
+            segs += [(a, e, torch.stack([self.starts[r][n] for r in rows])) for n, (a, e) in enumerate(spans[1:])]
+            out.append((rows, segs))
+        return out
+
+
+def serve_reads(call: DeltaRuleCall, fn: Callable[..., Any], out: torch.Tensor, final: torch.Tensor,
+                initial: torch.Tensor | None, step: int, inputs: Inputs, l2: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], Segments]]]:
+    """Serve every `state_after` request of this call from the prefix (see the module doc), in position order."""
+    query = inputs[0]
+    b, s = query.shape[:2]
+    invokes, every = _invokes(call, b), list(range(b))
+    book = _Rows(b, s, initial)
+    padded = _pads_itself(call, fn)
+    known: dict[tuple[int, int], torch.Tensor] = {}  # (position, row) -> the state after it
+    pos = 0
+    while pos < s:
+        asked = {p: names for p, names in call.positions("state_after", step).items() if p >= pos}
+        if not asked:
+            break
+        wanted = {p: {r for n in names for r in _rows_of(n, invokes, every)} for p, names in asked.items()}
+        _prefetch(book, fn, inputs, final, known, wanted, l2, padded)  # every request parked now, together
+        p = min(asked)
+        for name in call._names_at("state_after", step, p):
+            rows = _rows_of(name, invokes, every)
+            _prefetch(book, fn, inputs, final, known, {p: set(rows)}, l2, padded)  # a worker's next request
+            state = torch.stack([known[p, r] for r in rows])
+            new = call.serve(name, state, step)
+            if new is not state:  # a write: these rows' forward splits at p
+                new = call._checked_state(new, query[rows], "state_after")
+                out, final = _written(book, fn, inputs, out, final, rows, p, new, l2, call)
+                for key in [k for k in known if k[1] in rows and k[0] > p]:
+                    del known[key]  # computed from the state before the write
+                known.update(((p, r), new[i]) for i, r in enumerate(rows))
+        pos = p + 1
+    return out, final, book.row_segments()
+
+
+def _pads_itself(call: DeltaRuleCall, fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is a pure-torch kernel, which pads a call to whole chunks with zeros itself (zeros after a
+    part then change none of its bits); not a compiled one (FLA's masks the last chunk instead)."""
+    fam = call.family
+    for name in (fam.chunk_kernel, fam.recurrent_kernel):
+        b = kernels.backend(fam, name)
+        if fn is b.compiled or (fn is b.fn and not kernels.has_python_source(fn, fam.module_name)):
+            return False
+    return True
+
+
+def _prefetch(book: _Rows, fn: Callable[..., Any], inputs: Inputs, final: torch.Tensor,
+              known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], l2: bool,
+              padded: bool) -> None:
+    """The states after the wanted positions not yet known, each row's from its base: the state after the
+    last token is the forward call's final state; the others come from side calls over each prefix, left-aligned
+    (zeros after a part leave its state as it was) and sharing a call where that costs no extra chunk
+    (`padded`: the kernel pads to whole chunks itself, so the part's bits are those of its call alone), else
+    where their lengths are equal."""
+    parts: list[tuple[list[int], int, int]] = []
+    for p, rows in sorted(wanted.items()):
+        todo = sorted(r for r in rows if (p, r) not in known)
+        if p == book.s - 1:
+            known.update(((p, r), final[r]) for r in todo)
+            continue
+        parts += [(group, a, p + 1) for a, group in book.by_base(todo).items()]
+    calls: dict[int, list[tuple[list[int], int, int]]] = {}
+    for part in parts:
+        length = part[2] - part[1]
+        calls.setdefault(-(-length // CHUNK) if padded else length, []).append(part)
+    for group in calls.values():
+        states = _left_aligned(book, fn, inputs, group, l2)
+        n = 0
+        for rows, _, e in group:
+            known.update(((e - 1, r), states[n + i]) for i, r in enumerate(rows))
+            n += len(rows)
+
+
+def _left_aligned(book: _Rows, fn: Callable[..., Any], inputs: Inputs, parts: list[tuple[list[int], int, int]],
+                  l2: bool) -> torch.Tensor:
+    """One kernel call over the parts (rows, start, end) stacked, each followed by zeros to the longest:
+    the final states, the parts' rows in order."""
+    if len(parts) == 1:
+        rows, a, e = parts[0]
+        return _run(fn, inputs, rows, a, e, book.start(rows), l2)[1]
+    width = max(e - a for _, a, e in parts)
+    stacked = []
+    for x in inputs:
+        padded = x.new_zeros((sum(len(r) for r, _, _ in parts), width, *x.shape[2:]))
+        n = 0
+        for rows, a, e in parts:
+            padded[n:n + len(rows), :e - a] = x[rows, a:e]
+            n += len(rows)
+        stacked.append(padded)
+    starts = [book.start(rows) for rows, _, _ in parts]
+    start = None
+    if any(x is not None for x in starts):
+        like = next(x for x in starts if x is not None)
+        start = torch.cat([x if x is not None else like.new_zeros((len(rows), *like.shape[1:]))
+                           for x, (rows, _, _) in zip(starts, parts)])
+    q, k, v, g, beta = stacked
+    return fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=l2)[1]
+
+
+def _rows_of(name: str, invokes: dict[int, list[int]] | None, every: list[int]) -> list[int]:
+    """The rows a request is served: its invoke's (then the worker gets them as they are), else every row."""
+    if "@" in name and invokes is not None:
+        rows = invokes.get(int(name.rsplit("@", 1)[1]))
+        if rows is not None:
+            return rows
+    return every
+
+
+def _written(book: _Rows, fn: Callable[..., Any], inputs: Inputs, out: torch.Tensor, final: torch.Tensor,
+             rows: list[int], p: int, new: torch.Tensor, l2: bool, call: DeltaRuleCall
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose state after p a worker replaced: token p reads it, the kernel runs on from p+1."""
+    query = inputs[0]
+    out, final = out.clone(), final.clone()  # never change a tensor a worker may hold
+    out[rows, p] = kernels.read_state(call.family, query[rows, p], new, out.shape[2], l2)
+    if p + 1 < book.s:
+        tail, last = _run(fn, inputs, rows, p + 1, book.s, new, l2)
+        out[rows, p + 1:] = tail
+        final[rows] = last
+    else:
+        final[rows] = new.to(final.dtype)
+    book.write(rows, p, new)
+    return out, final

@@ -1,0 +1,183 @@
+"""An observation does not change what it observes: reads leave the forward bit for bit as it was.
+
+For every family, a trace with a set of reads and no write gives logits and every block's output
+`torch.equal` to the same trace without the reads (the delta-rule call the forward uses is never split
+for a read), and each read's value is transformers' own: its cache after running the first t+1 tokens
+holds the state after token t (within 2e-5 relative: the prefix forward's own float noise upstream).
+A read followed by a write of the same state (`*= 0.5`) still changes the forward, as transformers does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from reference import Reference, Write
+
+import deltalang
+from deltalang import families, testing
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+
+LONG = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens: two chunks
+SHORT = "The Brandenburg Gate is in Berlin"  # left-padded beside LONG
+READS: dict[str, tuple[str, ...]] = {
+    "state_after(3)": ("state_after:3",),
+    "states": ("states",),
+    "state_after(-2)": ("state_after:-2",),
+    "states + state_after(-3)": ("states", "state_after:-3"),
+    "state_after(3) + state_after(66)": ("state_after:3", "state_after:66"),
+    "conv_window_after(2)": ("conv_window_after:2",),
+}
+REL = 2e-5
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def _block(x: Any) -> torch.Tensor:
+    return x[0] if isinstance(x, tuple) else x
+
+
+def _reads(model: deltalang.DeltaModel, reads: tuple[str, ...], got: dict, outs: list, tag: str) -> None:
+    """Inside a trace or invoke: each block's reads (DeltaNet blocks), then its output, saved in forward order."""
+    linear = model.spec.linear_layers()
+    for i in range(len(model.layers)):
+        if i in linear:
+            mixer = model.layers[i].linear_attn
+            for r in reads:
+                name, _, at = r.partition(":")
+                got[(tag, i, r)] = (getattr(mixer, name)(int(at)) if at else getattr(mixer, name)).save()
+        outs.append(model.layers[i].output.save())
+
+
+def _trace(model: deltalang.DeltaModel, runs: list[tuple[str, tuple[str, ...]]]) -> tuple[list, list, dict]:
+    """One trace, an invoke per (prompt, reads): each invoke's logits and block outputs, and the reads."""
+    got: dict = {}
+    outs: list[list] = [[] for _ in runs]
+    logits: list = []
+    with torch.no_grad(), model.trace() as tracer:
+        for n, (prompt, reads) in enumerate(runs):
+            with tracer.invoke(prompt):
+                _reads(model, reads, got, outs[n], str(n))
+                logits.append(model.logits.save())
+    return logits, outs, got
+
+
+class Truth:
+    """transformers' cache after the first t+1 tokens of a prompt, each prefix run once."""
+
+    def __init__(self, hf: Any, model: deltalang.DeltaModel) -> None:
+        self.hf, self.model, self.caches = hf, model, {}
+
+    def ids(self, prompt: str) -> torch.Tensor:
+        return self.model.tokenizer(prompt, return_tensors="pt").input_ids
+
+    def cache(self, prompt: str, t: int) -> Any:
+        ids = self.ids(prompt)
+        t = t + ids.shape[1] if t < 0 else t
+        if (prompt, t) not in self.caches:
+            with torch.no_grad():
+                self.caches[(prompt, t)] = self.hf(ids[:, : t + 1], use_cache=True).past_key_values
+        return self.caches[(prompt, t)]
+
+    def worst(self, prompt: str, got: dict, tag: str) -> float:
+        """The largest relative distance of the invoke's state reads from the cache."""
+        n, worst = self.ids(prompt).shape[1], 0.0
+        for (where, i, r), value in got.items():
+            name, _, at = r.partition(":")
+            if where != tag or name == "conv_window_after":
+                continue
+            if name == "states":
+                assert value.shape[1] == n
+                for t in sorted({t for t in (0, 3, 63, 64, n - 3, n - 1) if t < n}):
+                    worst = max(worst, _rel(value[:, t], self.cache(prompt, t).get_recurrent_state(i)))
+            else:
+                worst = max(worst, _rel(value, self.cache(prompt, int(at)).get_recurrent_state(i)))
+        return worst
+
+
+def _assert_unchanged(plain: tuple, read: tuple, what: str) -> None:
+    for n, (a, b) in enumerate(zip(plain[0], read[0])):
+        assert torch.equal(a, b), f"{what}: invoke {n}'s logits moved by {float((a - b).abs().max()):.3g}"
+    for n, (xs, ys) in enumerate(zip(plain[1], read[1])):
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            assert torch.equal(_block(x), _block(y)), f"{what}: invoke {n}'s block {i} output moved"
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def loaded(request: pytest.FixtureRequest) -> tuple[deltalang.DeltaModel, Truth]:
+    path = tiny_checkpoint(request.param)
+    model = deltalang.load_model(path)
+    return model, Truth(load_hf(path).eval(), model)
+
+
+@pytest.mark.parametrize("case", list(READS))
+def test_reads_leave_the_forward_bitwise_unchanged(loaded: tuple, case: str) -> None:
+    model, truth = loaded
+    plain = _trace(model, [(LONG, ())])
+    read = _trace(model, [(LONG, READS[case])])
+    _assert_unchanged(plain, read, case)
+    assert truth.worst(LONG, read[2], "0") < REL
+
+
+def test_invokes_of_different_lengths_reading_at_different_positions(loaded: tuple) -> None:
+    model, truth = loaded
+    runs = [(LONG, ("state_after:5", "state_after:-2")), (SHORT, ("states", "state_after:20")), (LONG, ())]
+    plain = _trace(model, [(p, ()) for p, _ in runs])
+    read = _trace(model, runs)
+    _assert_unchanged(plain, read, "invokes")
+    assert truth.worst(LONG, read[2], "0") < REL
+    assert truth.worst(SHORT, read[2], "1") < REL
+
+
+def test_a_read_does_not_move_another_read(loaded: tuple) -> None:
+    """`state_after(t)` is the same bits whatever else the trace reads (`states`, other positions)."""
+    model, _ = loaded
+    reads = ("states", "state_after:3", "state_after:9", "state_after:-3", "state_after:-1")
+    beside = _trace(model, [(LONG, reads), (SHORT, ("state_after:9",))])[2]
+    for r in reads:
+        for (tag, i, _), value in _trace(model, [(LONG, (r,)), (SHORT, ())])[2].items():  # the same batch
+            assert torch.equal(value, beside[(tag, i, r)]), (i, r)
+
+
+def test_a_read_then_write_of_the_same_state_still_changes_the_forward(loaded: tuple) -> None:
+    model, truth = loaded
+    layer = model.spec.linear_layers()[0]
+    with torch.no_grad(), model.trace(LONG):
+        mixer = model.layers[layer].linear_attn
+        mixer.set_state_after(3, mixer.state_after(3) * 0.5)
+        later = mixer.state_after(-2).save()
+        logits = model.logits.save()
+    want = Reference(truth.hf).run(truth.ids(LONG), [Write(layer, "state_after", lambda x, i: x * 0.5, 3)])
+    plain = _trace(model, [(LONG, ())])[0][0]
+    assert not torch.equal(logits, plain)
+    assert _rel(logits, want.value(None, "logits")) < 1e-4
+    assert _rel(later, want.value(layer, "state_after", truth.ids(LONG).shape[1] - 2)) < 1e-4
+
+
+def _qwen3_next_16(root: Path) -> Path:
+    """A Qwen3-Next checkpoint with 16-dim value heads (the issue's case)."""
+    torch.manual_seed(0)
+    cfg = testing.tiny_config("qwen3_next")
+    cfg.linear_value_head_dim = 16
+    hf = families.auto_class(cfg).from_config(cfg).eval()
+    testing._enlarge_random_weights(hf)
+    hf.save_pretrained(root)
+    testing.byte_tokenizer().save_pretrained(root)
+    return root
+
+
+@pytest.mark.skipif("qwen3_next" not in FAMILY_NAMES, reason="no qwen3_next in this transformers")
+def test_states_beside_state_after_on_16_dim_value_heads(tmp_path: Path) -> None:
+    path = _qwen3_next_16(tmp_path / "qwen3_next_16")
+    model = deltalang.load_model(path)
+    truth = Truth(load_hf(path).eval(), model)
+    both = _trace(model, [(LONG, ("states", "state_after:-3"))])
+    alone = _trace(model, [(LONG, ("state_after:-3",))])
+    _assert_unchanged(_trace(model, [(LONG, ())]), both, "states + state_after(-3)")
+    assert truth.worst(LONG, both[2], "0") < REL
+    for key, value in alone[2].items():
+        assert torch.equal(value, both[2][key])
