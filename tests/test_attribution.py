@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 import deltalang
 from deltalang import families, gradients
 from deltalang.ast import format_program
+from deltalang.model import decoder_layers
 from deltalang.sweep import DeltaSweepError, attribution, paths
 from deltalang.sweep.attribution import path_start, target_of
 from deltalang.sweep.job import measure_label
@@ -54,7 +55,7 @@ def _recorded(family: str, seed: int) -> tuple[Reference, families.Family, torch
     hf, ref = _hf(family), Reference(_hf(family))
     fam = families.for_config(hf.config)
     ids = torch.randint(3, 250, (1, 12))
-    rec = gradients.record(hf, fam, ref.linear, lambda i: getattr(hf.model.layers[i], fam.mixer_attr),
+    rec = gradients.record(hf, fam, ref.linear, lambda i: getattr(decoder_layers(hf)[i], fam.mixer_attr),
                            lambda: hf(ids, use_cache=False).logits)
     return ref, fam, ids, rec
 
@@ -107,7 +108,7 @@ def test_state_gradients_are_the_scan_state_dots_sums() -> None:
     fam = families.for_config(hf.config)
     layers = [i for i, t in enumerate(hf.config.layer_types) if t == "linear_attention"]
     ids = torch.randint(3, 250, (1, 10))
-    rec = gradients.record(hf, fam, layers, lambda i: getattr(hf.model.layers[i], fam.mixer_attr),
+    rec = gradients.record(hf, fam, layers, lambda i: getattr(decoder_layers(hf)[i], fam.mixer_attr),
                            lambda: hf(ids, use_cache=False).logits)
     rec.backward(rec.result[0, -1].float().logsumexp(-1))
     blk = rec.blocks[layers[0]]
