@@ -19,12 +19,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "deltalang"
 
 # module (dotted, relative to deltalang; a package covers its modules) -> layer
 LAYERS: dict[str, int] = {
-    "errors": 1, "values": 1, "families": 1, "measures": 1, "bundled": 1, "testing": 1, "version": 1,
+    "errors": 1, "values": 1, "families": 1, "measures": 1, "bundled": 1, "testing": 1, "testing_ssd": 1, "version": 1,
     "datasets": 1, "lexer": 1, "html": 1, "compat": 1, "quiet": 1,
     "spec": 2, "tokens": 2,
     "ast": 3, "parse": 3, "ir": 3, "resolve": 3, "check": 3,
     "plan": 4, "batches": 4, "emit": 4, "explain": 4,
-    "backends": 5, "deltarule": 5, "kernels": 5, "mixer": 5, "info": 5, "model": 5, "gradients": 5,
+    "backends": 5, "deltarule": 5, "ssd": 5, "kernels": 5, "mixer": 5, "info": 5, "model": 5, "gradients": 5,
     "results": 6, "compiled": 6,
     "sweep": 7, "dataset_run": 7, "dataset_store": 7, "collect": 7, "collection": 7,
     "run": 8, "cli": 8, "options": 8, "notebook": 8, "__init__": 8, "__main__": 8,

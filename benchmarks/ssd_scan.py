@@ -1,0 +1,83 @@
+"""The Mamba-2 scan's cost on one block at the 0.8B benchmark's scale (docs/mamba2.md quotes it).
+
+One random granitemoehybrid Mamba-2 mixer (hidden 1024, 32 heads of 64, d_state 128, one group,
+chunk 256), a 512-token prompt; the scan's inputs are taken from inside the mixer's forward. Cases:
+  block        the mixer's whole forward (in_proj, conv, transformers' scan, gated norm, out_proj)
+  scan         transformers' `mamba2_chunk_scan` alone, with its final state
+  split        `ssd.split` at t = s/2 with that scan (two calls, initial_states between)
+  final        `ssd.per_token(final_state=True)`
+  states       `ssd.per_token`: every token's state `[1, s, 32, 64, 128]` float32
+  loop         `ssd.per_token_loop` (token by token)
+
+    python benchmarks/ssd_scan.py [--length 512] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from deltalang import ssd, testing_ssd
+
+
+def _mixer() -> tuple[Any, Any]:
+    from transformers import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING["granitemoehybrid"](
+        hidden_size=1024, num_hidden_layers=1, layer_types=["linear_attention"], mamba_n_heads=32, mamba_d_head=64,
+        mamba_d_state=128, mamba_n_groups=1, mamba_chunk_size=256, mamba_expand=2, num_attention_heads=16,
+        num_key_value_heads=4, intermediate_size=512, shared_intermediate_size=512, vocab_size=300)
+    module = testing_ssd.modeling_module("granitemoehybrid")
+    return module.GraniteMoeHybridMambaLayer(cfg, layer_idx=0).eval(), module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    mixer, module = _mixer()
+    x = torch.randn(1, args.length, 1024)
+    original = getattr(module, ssd.SCAN_GLOBAL)
+    got: dict[str, Any] = {}
+
+    def capture(*a: Any, **k: Any) -> Any:
+        got["a"], got["k"] = a, k
+        return original(*a, **k)
+    setattr(module, ssd.SCAN_GLOBAL, capture)
+    with torch.no_grad():
+        mixer(x)
+    setattr(module, ssd.SCAN_GLOBAL, original)
+    a, k = got["a"][:5], got["k"]
+    kw = dict(D=k["D"], dt_bias=k["dt_bias"], dt_softplus=True, dt_limit=k["dt_limit"])
+    chunk = k["chunk_size"]
+    cases: dict[str, Callable[[], Any]] = {
+        "block": lambda: mixer(x),
+        "scan": lambda: original(*a, chunk, return_final_states=True, **kw),
+        "split": lambda: ssd.split(original, *a, chunk, [args.length // 2], **kw),
+        "final": lambda: ssd.per_token(*a, final_state=True, **kw),
+        "states": lambda: ssd.per_token(*a, **kw),
+        "loop": lambda: ssd.per_token_loop(*a, **kw),
+    }
+    times: dict[str, list[float]] = {c: [] for c in cases}
+    with torch.no_grad():
+        for _ in range(args.repeat):
+            for name, fn in cases.items():  # interleaved, so that a busy machine slows every case alike
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["scan"])
+    print(f"{args.length} tokens, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"median of {args.repeat}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {name:7s} {med * 1e3:9.1f} ms  {med / base:6.2f}x scan")
+
+
+if __name__ == "__main__":
+    main()
