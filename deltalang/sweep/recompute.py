@@ -11,7 +11,12 @@ clean residual entering it at t.., and each row's write is applied inside the
 kernel call by `MixerSite.direct` (positions in the call's own coordinates).
 The final norm and the LM head run at the last position only.
 
-Isolated here: the only sweep module touching transformers' cache internals and
+Each block call's arguments, masks and the decoder's tail come from `continuation` (its half: the
+model's own mask functions per layer type, arguments cut to start.., a tuple output's threaded items).
+The prefix cache holds, besides keys/values, states and windows, an indexer's keys and any further
+convolution state a layer keeps (`CacheOf`, recorded as the clean forward updates them).
+
+Isolated here (with `continuation`): the only sweep modules touching transformers' cache internals and
 `model._module` (`device_of`, `dtype_of`, `decoder_config`, `weights_dtype`
 answer the others).
 """
