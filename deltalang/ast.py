@@ -153,6 +153,19 @@ class Site:
     position: Position | None = None
     head: Union[IntPos, VarPos, None] = None  # `.head(3)`, `.head(h)`: one value head's slice
     span: Span = _span()
+    reduce: tuple["Reduce", ...] = ()  # `.mean(positions)`, `.norm(key_dim)`, ...: computed in the forward
+
+
+@attrs.frozen
+class Reduce:
+    """One reduction after a site: `.norm(AXES)` (no axes: every axis but b and s), `.mean(AXES)`,
+    `.head(K)` (after another reduction), `.project(load(FILE))`."""
+
+    kind: str  # "norm" | "mean" | "head" | "project"
+    axes: tuple[str, ...] = ()  # norm, mean: the axes as written
+    index: int | None = None  # head
+    direction: Union["LoadSource", None] = None  # project
+    span: Span = _span()
 
 
 # ---- write sources -----------------------------------------------------------
@@ -286,13 +299,23 @@ class KL:
 
 @attrs.frozen
 class Norm:
-    """`norm(SITE)`: the Frobenius norm of a value."""
+    """`norm(SITE)`: the Frobenius norm of a value; `norm(SITE, over=[AXES])` over those axes only."""
 
     site: Site
     span: Span = _span()
+    over: tuple[str, ...] | None = None
 
 
-MeasureCall = Union[Prob, Rank, LogitDiff, KL, Norm, Top]
+@attrs.frozen
+class Project:
+    """`project(SITE, load(FILE))`: the value's dot product with a direction (per token, for a per-token value)."""
+
+    site: Site
+    direction: "LoadSource"
+    span: Span = _span()
+
+
+MeasureCall = Union[Prob, Rank, LogitDiff, KL, Norm, Top, Project]
 
 # ---- statements ------------------------------------------------------------
 
@@ -574,7 +597,18 @@ def format_site(site: Site) -> str:
     text = site.value if site.position is None else f"{site.value}({format_position(site.position)})"
     if site.head is not None:
         text += f".head({format_position(site.head)})"
+    text += "".join(format_reduce(r) for r in site.reduce)
     return text if site.block is None else f"{format_selector(site.block)}.{text}"
+
+
+def format_reduce(r: Reduce) -> str:
+    """`.norm(key_dim, value_dim)`, `.mean(positions)`, `.head(2)`, `.project(load("d.safetensors"))`."""
+    if r.kind == "head":
+        return f".head({r.index})"
+    if r.kind == "project":
+        assert r.direction is not None
+        return f".project({format_expr(r.direction)})"
+    return f".{r.kind}({', '.join(r.axes)})"
 
 
 def format_source(src: Source) -> str:
@@ -626,7 +660,10 @@ def format_measure(m: MeasureCall) -> str:
         return f"kl({m.run})"
     if isinstance(m, Top):
         return f"top({m.k})"
-    return f"norm({format_site(m.site)})"
+    if isinstance(m, Project):
+        return f"project({format_site(m.site)}, {format_expr(m.direction)})"
+    over = "" if m.over is None else f", over=[{', '.join(m.over)}]"
+    return f"norm({format_site(m.site)}{over})"
 
 
 def _alias(alias: str | None) -> str:

@@ -6,6 +6,9 @@ Contract:
   state after every token, computed in chunks of `CHUNK` tokens with batched matrix products and
   a loop over chunks only (never over tokens). `final_state=True` returns (outputs, the state
   after the last token) without materialising the others.
+- `per_token_reduced(..., sinks)` is `per_token` for a reduction of the states: each group of chunks of
+  one batch row is handed to every sink (`sink(row, start, states [t, h, dk, dv])`, positions past the
+  call's end cut) and dropped, so `[b, s, h, dk, dv]` never exists; it computes no outputs.
 - `per_token_loop` is the same recurrence token by token: the tests' plain statement of it.
 - `prepare` is the kernels' own preprocessing (float32, heads first, l2-norm, 1/sqrt(dk), repeated
   key heads); `read_state` is one token's read `q_t @ S` of a (replaced) state.
@@ -20,7 +23,7 @@ Contract:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -178,7 +181,45 @@ def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, valu
     out = _unchunk(_chunk_outputs(q, k, kd, decay, cum, starts, u), b, h, s, query.dtype)
     if final_state:
         return out, starts[n].reshape(b, h, dk, dv)
-    return out, _chunk_states(k, kd, decay, cum, starts, u, b)[:, :s]
+    states = _chunk_states(k, kd, decay, cum, starts, u, b)
+    assert states is not None
+    return out, states[:, :s]
+
+
+def per_token_reduced(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool,
+                      sinks: list[Callable[[int, int, torch.Tensor], None]], chunk_size: int = CHUNK) -> None:
+    """`per_token`'s states handed to `sinks` a group of chunks of one batch row at a time (see the contract)."""
+    q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    S0 = _start_state(initial_state, (b, h, dk, dv), v.device)
+    per_head = gg.dim() == 3
+    if per_head:
+        gg = gg[..., None]
+    C = chunk_size
+    pad = (-s) % C
+    n = (s + pad) // C
+    k, v, gg = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b * h, n, C, -1) for x in (k, v, gg))
+    bb = torch.nn.functional.pad(bb, (0, pad)).reshape(b * h, n, C, 1)
+    cum = gg.cumsum(dim=2)
+    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    if per_head:
+        c = cum[..., 0]
+        decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()
+        system, kd = ((k * bb) @ k.transpose(-1, -2)) * decay, None
+    else:
+        kd = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
+        kd = kd * k[..., None, :, :]
+        system, decay = (kd @ (k * bb)[..., None])[..., 0], None
+    inverse = _inverse_unit_lower(system.tril(-1))
+    starts, u = _scan(S0.reshape(b * h, dk, dv), inverse @ (v * bb), inverse @ (k * bb * cum.exp()), k, cum)
+
+    def sink(row: int, start: int, blk: torch.Tensor) -> None:
+        blk = blk.reshape(-1, *blk.shape[2:])[: max(0, s - start)]  # [c * C, h, dk, dv], past the end cut
+        for f in sinks:
+            f(row, start, blk)
+    _chunk_states(k, kd, decay, cum, starts, u, b, sink)
 
 
 def _scan(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
@@ -214,16 +255,22 @@ def _unchunk(out: torch.Tensor, b: int, h: int, s: int, dtype: torch.dtype) -> t
 
 
 def _chunk_states(k: torch.Tensor, kd: torch.Tensor | None, decay: torch.Tensor | None, cum: torch.Tensor,
-                  starts: torch.Tensor, u: torch.Tensor, b: int) -> torch.Tensor:
+                  starts: torch.Tensor, u: torch.Tensor, b: int,
+                  sink: Callable[[int, int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
     """states[t] = sum_j kd[t, j]^T u_j + exp(G_t) * S0, straight into the `[b, n * C, h, dk, dv]` layout.
 
     A group of chunks of one batch row at a time (about `_BLOCK_BYTES`), so that the second term
-    is added while the first is still in cache."""
+    is added while the first is still in cache. With `sink`, each group `[c, C, h, dk, dv]` is handed to
+    `sink(row, first position, group)` instead, in one reused buffer, and nothing is returned."""
     bh, n, C, dk = k.shape
     h, dv = bh // b, u.shape[-1]
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (k, cum, starts, u))
-    out = None if grad else _states_buffer((b, n * C, h, dk, dv), u.device)
     group = max(1, _BLOCK_BYTES // (C * h * dk * dv * 4))
+    if sink is not None:
+        scratch = None if grad else torch.empty((min(group, n), C, h, dk, dv), dtype=torch.float32, device=u.device)
+        out = None
+    else:
+        out = None if grad else _states_buffer((b, n * C, h, dk, dv), u.device)
     e_cum = cum.exp().view(b, h, n, C, -1)
     parts = []
     for r in range(b):
@@ -237,12 +284,22 @@ def _chunk_states(k: torch.Tensor, kd: torch.Tensor | None, decay: torch.Tensor 
                 left = kd[rows, i:j].permute(1, 2, 0, 4, 3)
             right = u[rows, i:j].permute(1, 0, 2, 3)[:, None]  # [c, 1, h, C(j), dv]
             start = (e_cum[r, :, i:j].permute(1, 2, 0, 3)[..., None], starts[i:j, rows, None].transpose(1, 2))
+            if sink is not None:
+                if scratch is None:
+                    sink(r, i * C, torch.addcmul(left.contiguous() @ right, *start))
+                    continue
+                blk = scratch[: j - i]
+                torch.matmul(left.contiguous(), right, out=blk)
+                sink(r, i * C, blk.addcmul_(*start))
+                continue
             if out is None:  # autograd follows: a fresh tensor per group
                 parts.append(torch.addcmul(left.contiguous() @ right, *start))
                 continue
             blk = out.view(b, n, C, h, dk, dv)[r, i:j]
             torch.matmul(left.contiguous(), right, out=blk)
             blk.addcmul_(*start)
+    if sink is not None:
+        return None
     if out is None:
         return torch.cat(parts).view(b, n * C, h, dk, dv)
     return out

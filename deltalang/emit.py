@@ -78,6 +78,12 @@ def call_position(op: PlanOp) -> int | None:
 
 def read_expr(op: PlanOp, tracer: str = "tracer", tail: int | None = None) -> str:
     """The expression that reads `op`'s site inside a trace (`tail`: the run's tokens, if it is padded)."""
+    if op.reduce is not None:  # computed in the forward; `states` by the value layer, a group of chunks at a time
+        whole = attrs.evolve(op, reduce=None)  # `.head(h)` of another value: its slice, then the steps
+        red = reduction_expr(op.reduce)
+        if op.value == "states":
+            return f"{mixer(op.layer)}.states_reduced({red})"  # type: ignore[arg-type]
+        return f"{red}({read_expr(whole, tracer, tail)})"
     if op.head is not None:
         return read_expr(attrs.evolve(op, head=None), tracer, tail) + head_index(op.value, op.head)
     if op.layer is None:
@@ -92,6 +98,13 @@ def read_expr(op: PlanOp, tracer: str = "tracer", tail: int | None = None) -> st
     if op.value == STATES_AS_RUN:
         return f"{m}.states_as_run"
     return f"{m}.{op.value}"
+
+
+def reduction_expr(red: Any) -> str:
+    """`measures.Reduction(AXES, [("norm", ("key_dim",))])`: an `ir.Reduce` as the code that runs it."""
+    steps = ", ".join(f"({k!r}, loaded[{loaded_key(a)!r}])" if k == "project" else f"({k!r}, {a!r})"
+                      for k, a in red.steps)
+    return f"measures.Reduction({red.axes!r}, [{steps}])"
 
 
 def write_stmt(op: PlanOp, value: str, tail: int | None = None) -> str:
@@ -153,7 +166,8 @@ def emit_loads(w: _Writer, plan: Plan) -> None:
         for r in p.runs:
             for op in r.ops:
                 src = op.source
-                for a in expr_atoms(src.expr) if isinstance(src, Steer) else [src]:
+                for a in (expr_atoms(src.expr) if isinstance(src, Steer) else [src]) + (
+                        op.reduce.loads() if op.reduce is not None else []):
                     if isinstance(a, Load):
                         loads.setdefault(loaded_key(a), a)
     if not loads:
@@ -315,7 +329,8 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.add(0, "import deltalang")
     w.add(0, "from deltalang import measures")
     if any(isinstance(a, Load) for p in plan.passes for r in p.runs for op in r.ops
-           for a in (expr_atoms(op.source.expr) if isinstance(op.source, Steer) else [op.source])):
+           for a in (expr_atoms(op.source.expr) if isinstance(op.source, Steer) else [op.source])
+           + (op.reduce.loads() if op.reduce is not None else [])):
         w.add(0, "import safetensors.torch")
     w.add(0, "")
     w.add(0, f"MODEL = {model_id!r}  # None: the bundled model")
@@ -343,9 +358,12 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
                     *map(str, measures.arguments(m.kind, m.token_ids, reference))]
         else:
             args = [f"results[{keys[0]!r}]", *map(str, measures.arguments(m.kind, m.token_ids, reference))]
+        if m.reduce is not None:  # computed in the forward: the value is the measure
+            args = [f"results[{keys[0]!r}]"]
         if m.forced:  # each answer's every token, then (logit_diff) the logits of the second answer's run
             args = [f"results[{keys[0]!r}]", *map(str, m.answers)] + [f"results[{k!r}]" for k in keys[1:]]
-        w.add(1, f"results[{m.result_name!r}] = measures.{m.kind}({', '.join(args)})", m.span,
+        fn = "reduced" if m.reduce is not None else m.kind
+        w.add(1, f"results[{m.result_name!r}] = measures.{fn}({', '.join(args)})", m.span,
               "teacher forcing: sum of log-probabilities" if m.forced else "")
     w.add(1, f"return {{k: v for k, v in results.items() if not k.startswith({HIDDEN!r})}}")
     w.blank()

@@ -60,7 +60,8 @@ def format_op(op: ResolvedOp, run: ResolvedRun, resolved: Resolved) -> str:
     step = "" if op.step is None else f"step {op.step}: "
     where = _position_note(op.position, op.position_var, run.tokens)
     if op.kind == "read":
-        return f"{step}read {op.written}{where} as {op.result_name}"
+        shape = "" if op.reduce is None else f", shape {op.reduce.shown()}"
+        return f"{step}read {op.written}{where} as {op.result_name}{shape}"
     return f"{step}write {op.written}{where} {format_source(op.source, resolved.runs)}"
 
 
@@ -135,7 +136,8 @@ def format_measure(m: ResolvedMeasure, run: ResolvedRun, spec: ModelSpec) -> str
         extra = f" -> position {m.position}{token_note(run.tokens, m.position)}"
     if m.at is not None:  # `measure ... at POS`: the logits of that position
         extra += f", the logits of position {m.at}{token_note(run.tokens, m.at)}"
-    return f"{step}measure {m.written}{extra} as {m.result_name}"
+    shape = "" if m.reduce is None else f", shape {m.reduce.shown()}"
+    return f"{step}measure {m.written}{extra} as {m.result_name}{shape}"
 
 
 def _spell(spec: ModelSpec, text: str) -> tuple[str, ...]:
@@ -148,11 +150,19 @@ def _spell(spec: ModelSpec, text: str) -> tuple[str, ...]:
 
 def site(op: PlanOp) -> str:
     text = op.value if op.position is None else f"{op.value}({op.position})"
+    if op.reduce is not None:  # computed in the forward: the steps, `states` a group of chunks at a time
+        text += "".join(f".{k}({a if k == 'head' else _reduce_arg(k, a)})" for k, a in op.reduce.steps)
     if op.value == STATES_AS_RUN:
         text = "states (as the written forward ran)"
     where = "" if op.layer is None else f"L{op.layer}."
     step = "" if op.step is None else f"step {op.step}: "
     return f"{step}{where}{text}"
+
+
+def _reduce_arg(kind: str, arg: object) -> str:
+    if kind == "project":
+        return f"load({getattr(arg, 'shown', '')!r})"
+    return "" if arg is None else ", ".join(arg)  # type: ignore[call-overload]
 
 
 def describe_source(op: PlanOp) -> str:

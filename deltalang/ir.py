@@ -178,6 +178,24 @@ class ResolvedOp:
     head: int | None = None  # `.head(h)`: one value head's slice (axis HEAD_AXIS[value]); None: the whole value
     head_var: str | None = None  # sweep templates: the head is this variable's
     span: Span = attrs.field(default=ast.NOSPAN, eq=False, repr=False)
+    reduce: "Reduce | None" = None  # a reduction computed in the forward (`.mean(positions)`, ...)
+
+
+@attrs.frozen
+class Reduce:
+    """A reduction of a read or measured value, computed inside the forward (`measures.Reduction` runs it)."""
+
+    axes: tuple[str, ...]  # the value's axes as served, `b` first (`values.axes`)
+    steps: tuple[tuple[str, Any], ...]  # ("head", 2), ("norm", axes | None), ("mean", axes), ("project", Load)
+    text: str  # what follows the site in a read's result name: `.norm(key_dim, value_dim)`
+    shape: tuple[tuple[str, int | None], ...]  # the result's axes and sizes (None: a size that varies)
+
+    def shown(self) -> str:
+        """`[b=1, s=8, heads=4]`."""
+        return "[" + ", ".join(a if n is None else f"{a}={n}" for a, n in self.shape) + "]"
+
+    def loads(self) -> list["Load"]:
+        return [a for k, a in self.steps if k == "project"]
 
 
 # the values with a value-head axis, and which axis it is (`.head(h)` slices it)
@@ -207,6 +225,7 @@ class ResolvedMeasure:
     answers: tuple[tuple[int, ...], ...] = ()  # prob/logit_diff: each answer's every token
     at: int | None = None  # `at POS`: the position whose logits are measured (None: the last)
     against_at: int | None = None  # kl `at POS`: the position of the other run's logits
+    reduce: Reduce | None = None  # norm/project computed in the forward: the site's reduction, the measure's last
 
     @property
     def forced(self) -> bool:

@@ -5,6 +5,12 @@ returns a float per prompt (a plain float for one prompt); `norm` takes a read v
 `top(logits, k)` is the one measure that is not a number: a `TopK` (the k most likely
 next tokens' ids and probabilities, `[b, k]` each, most likely first).
 
+A `Reduction` (the language's `.head(k)`, `.norm(AXES)`, `.mean(AXES)`, `.project(D)` on a site) is a
+chain of steps over a value's named axes (`values.axes`): applied to a whole value (`Reduction(x)`), or
+streamed a block of positions at a time (`Reduction.stream`), so that the value layer reduces `states`
+a group of chunks at a time and never holds `[b, s, heads, key_dim, value_dim]`. `reduced_axes` is the
+one statement of which axes a chain leaves (the resolver checks a program with it).
+
 The one dispatch from a measure's kind to its function and arguments: `arguments()`
 (the token ids or the reference run's logits after the run's own input), used both
 by the code `emit` writes (`measures.prob(results[...], 123)`) and, through
@@ -13,6 +19,7 @@ by the code `emit` writes (`measures.prob(results[...], 123)`) and, through
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -103,7 +110,11 @@ def refuse_per_token(measures: Sequence[Any], where: str) -> None:
     """A located DeltaValueError at the first measure (an `ir.ResolvedMeasure`) that gives a number per token
     where `where` (say, "over a dataset") needs one number a run."""
     for m in measures:
-        if per_token(m.kind, m.value, m.position):
+        red = getattr(m, "reduce", None)
+        if red is not None and [a for a, _ in red.shape] != [BATCH]:  # a reduction that leaves more than b
+            raise DeltaValueError(f"{m.written} is {red.shown()}; {where} each run needs one number: reduce "
+                                  f"every axis but b", span=m.span)
+        if red is None and per_token(m.kind, m.value, m.position):
             site = f"L{m.layer}.states" if m.layer is not None else "states"
             raise DeltaValueError(
                 f"{m.written or 'norm(' + site + ')'} is one number per token; {where} each run needs one number: "
@@ -138,6 +149,164 @@ def top(logits: torch.Tensor, k: int) -> TopK:
     # a stable order: by probability, then by token id (topk alone leaves ties unordered)
     order = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]
     return TopK(order.cpu(), p.gather(-1, order).cpu())
+
+
+# ---- reductions ---------------------------------------------------------------
+
+BATCH, POSITIONS = "b", "s"
+REDUCE_KINDS = ("head", "norm", "mean", "project")
+
+
+class ReductionError(DeltaValueError):
+    """A reduction that does not fit its value (an axis it lacks, a direction of another shape)."""
+
+
+def step_axes(axes: Sequence[str], kind: str, arg: Any) -> tuple[str, ...]:
+    """The axes a value has after one reduction step; a `ReductionError` saying why a step does not fit.
+
+    `arg`: head: its index (the value must have `heads`); norm: the axes it reduces (None: every axis but
+    `b` and `s`); mean: the axes it averages; project: the direction's shape (every axis but `b` and `s`)."""
+    axes = tuple(axes)
+    if kind == "head":
+        if "heads" not in axes:
+            raise ReductionError(f"head({arg}) takes one of the heads, and this value's axes {_show(axes)} have none")
+        return tuple(a for a in axes if a != "heads")
+    if kind == "project":
+        return tuple(a for a in axes if a in (BATCH, POSITIONS))
+    over = tuple(a for a in axes if a not in (BATCH, POSITIONS)) if arg is None else tuple(arg)
+    for a in over:
+        if a == BATCH:
+            raise ReductionError(f"{kind} over b: b is the batch axis, one result per prompt")
+        if a not in axes:
+            raise ReductionError(f"{kind} over {a}: this value's axes are {_show(axes)}")
+    if len(set(over)) != len(over):
+        raise ReductionError(f"{kind} names an axis twice: {', '.join(over)}")
+    if not over:
+        raise ReductionError(f"{kind} of no axes: this value's axes are {_show(axes)}")
+    return tuple(a for a in axes if a not in over)
+
+
+def reduced_axes(axes: Sequence[str], steps: Sequence[tuple[str, Any]]) -> tuple[str, ...]:
+    """The axes a chain of steps leaves (see `step_axes`)."""
+    out = tuple(axes)
+    for kind, arg in steps:
+        out = step_axes(out, kind, None if kind == "project" else arg)
+    return out
+
+
+def _show(axes: Sequence[str]) -> str:
+    return "[" + ", ".join(axes) + "]"
+
+
+def _apply(x: torch.Tensor, axes: tuple[str, ...], kind: str, arg: Any) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """One step on a whole tensor whose axes are `axes`."""
+    out = step_axes(axes, kind, None if kind == "project" else arg)
+    if kind == "head":
+        return x.select(axes.index("heads"), int(arg)), out
+    x = x.float()
+    if kind == "project":
+        dims = [i for i, a in enumerate(axes) if a not in (BATCH, POSITIONS)]
+        d = arg.to(device=x.device, dtype=torch.float32)
+        return (x * d).sum(dim=dims) if dims else x * d, out
+    dims = [axes.index(a) for a in (arg if arg is not None else [a for a in axes if a not in (BATCH, POSITIONS)])]
+    if kind == "norm":
+        return torch.linalg.vector_norm(x, dim=dims), out
+    return x.mean(dim=dims), out
+
+
+class Reduction:
+    """A chain of reduction steps over a value whose axes are `axes` (`b` first): `("head", 2)`,
+    `("norm", ("key_dim", "value_dim"))` (None: every axis but `b` and `s`), `("mean", ("s",))`,
+    `("project", direction)` (a tensor of the value's shape without `b` and `s`; it contracts them all)."""
+
+    def __init__(self, axes: Sequence[str], steps: Sequence[tuple[str, Any]]) -> None:
+        self.axes, self.steps = tuple(axes), [(k, _direction(a) if k == "project" else a) for k, a in steps]
+        self.out_axes = reduced_axes(self.axes, [(k, None if k == "project" else a) for k, a in self.steps])
+        # the steps before the first one over positions run per token (a block of positions at a time)
+        first = next((i for i, (k, a) in enumerate(self.steps) if k in ("norm", "mean")
+                      and POSITIONS in (a if a is not None else ())), len(self.steps))
+        self.per_token, self.rest = self.steps[:first], self.steps[first:]
+
+    @property
+    def keeps_positions(self) -> bool:
+        return POSITIONS in self.out_axes
+
+    def __call__(self, x: torch.Tensor | None) -> torch.Tensor:
+        if x is None:
+            raise DeltaValueError("a reduction of a value this call does not have: state_input is None on a "
+                                  "prompt, which starts from no state")
+        axes = self.axes
+        for kind, arg in self.steps:
+            x, axes = _apply(x, axes, kind, arg)
+        return x
+
+    def __repr__(self) -> str:
+        return f"Reduction({self.axes!r}, {[(k, 'tensor' if k == 'project' else a) for k, a in self.steps]!r})"
+
+    def stream(self, batch: int, length: int, pads: Sequence[int] | None = None) -> "ReductionStream":
+        """An accumulator fed blocks of positions of a per-token value (`s` its second axis)."""
+        return ReductionStream(self, batch, length, list(pads) if pads else [0] * batch)
+
+
+def _direction(d: Any) -> torch.Tensor:
+    d = torch.as_tensor(d)
+    return d[0] if d.dim() > 1 and d.shape[0] == 1 else d
+
+
+class ReductionStream:
+    """`add(row, start, block)` for each block `[t, ...]` of positions [start, start + t) of one batch row, in
+    any order; `result()` the reduced value, `[batch, ...]` (with `s`: every position, the padding's zeros).
+    Positions before a row's padding `pads[row]` are left out of a mean or norm over positions."""
+
+    def __init__(self, red: Reduction, batch: int, length: int, pads: list[int]) -> None:
+        self.red, self.batch, self.length, self.pads = red, batch, length, pads
+        self.acc: torch.Tensor | None = None
+        self.axes: tuple[str, ...] = ()
+        self.other = 1  # a mean over positions and other axes: how many elements of those per position
+
+    def add(self, row: int, start: int, block: torch.Tensor) -> None:
+        skip = max(0, self.pads[row] - start)
+        if skip >= block.shape[0]:
+            return
+        start, x, axes = start + skip, block[skip:][None], self.red.axes
+        for kind, arg in self.red.per_token:
+            x, axes = _apply(x, axes, kind, arg)
+        if self.red.rest:  # the first step over positions: a partial sum (of squares, for a norm)
+            kind, over = self.red.rest[0]
+            dims = [axes.index(a) for a in over]
+            part = (x.float().square() if kind == "norm" else x.float()).sum(dim=dims)
+            if self.acc is None:
+                self.acc, self.axes = part.new_zeros((self.batch, *part.shape[1:])), tuple(a for a in axes
+                                                                                             if a not in over)
+                self.other = math.prod(x.shape[d] for d in dims if axes[d] != POSITIONS)
+            self.acc[row] += part[0]
+            return
+        if self.acc is None:
+            self.acc, self.axes = x.new_zeros((self.batch, self.length, *x.shape[2:])), axes
+        self.acc[row, start:start + x.shape[1]] = x[0]
+
+    def result(self) -> torch.Tensor:
+        assert self.acc is not None, "a reduction stream fed nothing"
+        x, axes = self.acc, self.axes
+        if self.red.rest:
+            kind, over = self.red.rest[0]
+            x = x.sqrt() if kind == "norm" else x / self._count(over)
+            for kind, arg in self.red.rest[1:]:
+                x, axes = _apply(x, axes, kind, arg)
+        return x
+
+    def _count(self, over: Sequence[str]) -> torch.Tensor:
+        """How many elements each row's mean sums: its positions past the padding, times the other axes'."""
+        assert self.acc is not None
+        n = torch.tensor([(self.length - p) * self.other for p in self.pads], dtype=torch.float32,
+                         device=self.acc.device)
+        return n.view(-1, *([1] * (self.acc.dim() - 1)))
+
+
+def reduced(x: torch.Tensor) -> float | torch.Tensor:
+    """A reduced measure's value: one number for one prompt when it is one number per prompt."""
+    x = x.float()
+    return _scalar(x) if x.dim() == 1 else x
 
 
 KINDS = {"prob": prob, "rank": rank, "logit_diff": logit_diff, "kl": kl, "norm": norm, "top": top}

@@ -32,7 +32,8 @@ _PATHS = ("blocks", "outputs", "embeddings")  # method attribution's paths (swee
 STATEMENTS = ("read", "write", "measure", "route", "step", "trace", "generate", "sweep",
               "prompt", "prompts", "dataset", "model")
 KEYWORDS = frozenset(STATEMENTS + ("on", "over", "in", "max_new_tokens", "as", "from", "at"))
-MEASURES = ("prob", "logit_diff", "kl", "norm", "rank", "top")
+MEASURES = ("prob", "logit_diff", "kl", "norm", "rank", "top", "project")
+REDUCTIONS = ("head", "norm", "mean", "project")  # `SITE.norm(...)` etc.: reductions after a site
 KERNELS = ("torch", "default")
 BLOCK_KINDS = ("linear", "attention")
 
@@ -639,6 +640,12 @@ class _Builder:
 
     def read(self, tree: Node) -> ast.Read:
         *paths, alias = tree.children
+        for p in paths:
+            head = p.children[0]
+            if len(p.children) == 1 and head.data == "call_seg" and str(head.children[0]) in ("norm", "project"):
+                self.fail(f"{head.children[0]}(...) is a measure; a read reduces a site after it: "
+                          f"read L0.states.norm(key_dim, value_dim), read L0.states.project(load(\"d.safetensors\"))",
+                          self.span(p))
         sites = tuple(self.site(p) for p in paths)
         if alias is not None and len(sites) > 1:
             self.fail("'as' names one site; read the others in a statement of their own", self.span(alias))
@@ -763,8 +770,8 @@ class _Builder:
     def measure_call(self, path: Node) -> ast.MeasureCall:
         segs = path.children
         sp = self.span(path)
-        usage = ("a measure is prob(\" tok\"), logit_diff(\" a\", \" b\"), kl(RUN), norm(SITE), rank(\" tok\") "
-                 "or top(5)")
+        usage = ("a measure is prob(\" tok\"), logit_diff(\" a\", \" b\"), kl(RUN), norm(SITE), rank(\" tok\"), "
+                 "top(5) or project(SITE, load(FILE))")
         if len(segs) != 1 or segs[0].data != "call_seg":
             self.fail(usage + "; to keep a value use 'read'", sp)
         fn, args = segs[0].children
@@ -790,9 +797,64 @@ class _Builder:
             if len(arglist) != 1:
                 self.fail("kl takes the name of one run: kl(base)", sp)
             return ast.KL(run, span=sp)
-        if len(arglist) != 1 or not isinstance(arglist[0], _LarkTree):
-            self.fail("norm takes one site: norm(L0.state_output)", sp)
-        return ast.Norm(self.site(arglist[0]), span=sp)
+        if name == "project":
+            return self.project_call(arglist, sp)
+        over = None
+        if len(arglist) == 2 and isinstance(arglist[1], _LarkTree) and arglist[1].data == "kwarg":
+            over = self.over(arglist.pop())
+        if len(arglist) != 1 or not isinstance(arglist[0], _LarkTree) or arglist[0].data == "kwarg":
+            self.fail("norm takes one site, and optionally the axes: norm(L0.state_output), "
+                      "norm(L0.states, over=[key_dim, value_dim])", sp)
+        return ast.Norm(self.site(arglist[0]), span=sp, over=over)
+
+    def over(self, kw: Node) -> tuple[str, ...]:
+        """`over=[key_dim, value_dim]`: the axes of a norm."""
+        name, *items = kw.children
+        if str(name) != "over":
+            self.fail(f"unknown argument '{name}': norm takes over=[AXES] (norm(L0.states, over=[key_dim]))",
+                      self.span(name))
+        return self.axis_names([i for i in items if i is not None], kw, "norm")
+
+    def axis_names(self, items: list[Any], where: Node, fn: str) -> tuple[str, ...]:
+        out = []
+        for a in items:
+            if not (isinstance(a, _LarkTree) and len(a.children) == 1 and a.children[0].data == "name_seg"):
+                self.fail(f"{fn} takes the names of axes (positions, heads, key_dim, value_dim, ...)", self.span(a))
+            out.append(str(a.children[0].children[0]))
+        if not out:
+            self.fail(f"{fn} takes the axes it reduces: {fn}(positions), {fn}(key_dim, value_dim)", self.span(where))
+        return tuple(out)
+
+    def project_call(self, arglist: list[Any], sp: Span) -> ast.Project:
+        """`project(SITE, load("direction.safetensors"))`."""
+        if len(arglist) != 2 or not all(isinstance(a, _LarkTree) and a.data == "path" for a in arglist):
+            self.fail('project takes a site and a direction: project(L4.state_output, load("dir.safetensors"))', sp)
+        return ast.Project(self.site(arglist[0]), self.direction(arglist[1]), span=sp)
+
+    def direction(self, path: Node) -> ast.LoadSource:
+        segs = path.children
+        if len(segs) != 1 or segs[0].data != "call_seg" or str(segs[0].children[0]) != "load":
+            self.fail('a direction is a tensor from a file: load("direction.safetensors") or '
+                      'load("file.safetensors", "key")', self.span(path))
+        return self.load(segs[0], self.span(path))
+
+    def reduction(self, seg: Node) -> ast.Reduce:
+        """`.norm(AXES)`, `.mean(AXES)`, `.head(K)` (after another reduction), `.project(load(FILE))`."""
+        fn, args = seg.children
+        kind, sp = str(fn), self.span(seg)
+        arglist = [] if args is None else list(args.children)
+        if kind == "project":
+            if len(arglist) != 1 or not isinstance(arglist[0], _LarkTree) or arglist[0].data != "path":
+                self.fail('project takes a direction: .project(load("direction.safetensors"))', sp)
+            return ast.Reduce("project", direction=self.direction(arglist[0]), span=sp)
+        if kind == "head":
+            head = self.head_index(seg)
+            if not isinstance(head, ast.IntPos):
+                self.fail("head(...) after another reduction takes a head number", sp)
+            return ast.Reduce("head", index=head.value, span=sp)
+        if kind == "mean" or arglist:
+            return ast.Reduce(kind, self.axis_names(arglist, seg, kind), span=sp)
+        return ast.Reduce(kind, span=sp)
 
     def string_args(self, args: list[Any], n: int, fn: str, sp: Span) -> list[ast.Text]:
         shape = {"prob": 'prob(" Paris")', "rank": 'rank(" Paris")', "logit_diff": 'logit_diff(" Paris", " Rome")'}
@@ -817,6 +879,15 @@ class _Builder:
 
     def site_from_segments(self, segs: list[Node], sp: Span) -> ast.Site:
         usage = "a site is BLOCK.VALUE (L0.state_output, L[linear].state_after(3)) or a model-level value (logits)"
+        chain: list[Node] = []  # trailing reductions: `.mean(positions).norm()`
+        while len(segs) > 1 and segs[-1].data == "call_seg" and str(segs[-1].children[0]) in REDUCTIONS:
+            chain.insert(0, segs[-1])
+            segs = segs[:-1]
+        if chain and str(chain[0].children[0]) == "head":  # right after the value: the head's slice
+            segs = [*segs, chain.pop(0)]
+        if chain:
+            inner = self.site_from_segments(segs, sp)
+            return attrs.evolve(inner, reduce=tuple(self.reduction(r) for r in chain))
         if len(segs) > 1 and segs[-1].data == "call_seg" and str(segs[-1].children[0]) == "head":
             head = self.head_index(segs[-1])  # `SITE.head(3)`: one value head's slice of the site
             inner = self.site_from_segments(segs[:-1], sp)
@@ -864,6 +935,8 @@ class _Builder:
 
     def position(self, arg: Node | Token) -> ast.Position:
         usage = "a position is a number (3, -1), a quoted piece of the prompt (\"Tower\"), or a sweep variable"
+        if isinstance(arg, _LarkTree) and arg.data == "kwarg":
+            self.fail("a named argument (over=[...]) belongs to norm(SITE, over=[AXES])", self.span(arg))
         if isinstance(arg, _LarkTree) and arg.data == "all_pos":
             return ast.AllPos(span=self.span(arg))
         if isinstance(arg, _LarkTree) and arg.data == "range":

@@ -80,6 +80,7 @@ class PlanOp:
     text: str = ""  # the statement as written, for the comment
     span: Span | None = attrs.field(default=None, eq=False)
     head: int | None = None  # `.head(h)`: the op reads or writes this value head's slice only
+    reduce: Any = None  # an `ir.Reduce`: the read is that reduction, computed in the forward
 
     @property
     def hidden(self) -> bool:
@@ -89,6 +90,8 @@ class PlanOp:
         step = math.inf if self.value == "tokens" else (self.step or 0)
         layer = math.inf if self.layer is None else self.layer
         order = _MODEL_ORDER.get(self.value, 0) if self.layer is None else _ORDER.get(self.value, 0)
+        if self.reduce is not None and self.value == "states":  # served just before `states`
+            order -= 0.5
         pos = -1 if self.position is None else self.position
         return (step, layer, order, pos, 0 if self.kind == "write" else 1)
 
@@ -303,7 +306,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
         for op in operand_ops(expanded[r.name]):
             if op.kind == "read":
                 ops[r.name].append(PlanOp("read", op.layer, op.value, op.position, op.step, op.result_name,
-                                          text=op.written, span=op.span, head=op.head))
+                                          text=op.written, span=op.span, head=op.head, reduce=op.reduce))
                 continue
             src, dkey = op.source, None
             if isinstance(src, FromRun):
@@ -395,11 +398,11 @@ def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, meta: dict[str, ResolvedR
                    add_donor: Any) -> tuple[str, ...]:
     """The reads a measure needs: the logits of the run (and of the `kl` run), or the site; their keys."""
     step = m.step if r.kind == "generate" else None
-    if m.kind == "norm":
+    if m.kind in ("norm", "project"):
         key = measure_input_key(r.name, m)
         if not any(o.key == key for o in ops[r.name]):
             ops[r.name].append(PlanOp("read", m.layer, m.value or "", m.position, step, key, text=m.written,
-                                      span=m.span))
+                                      span=m.span, reduce=m.reduce))
         return (key,)
     key = donor_key(r.name, None, "logits", None, step)
     if not any(o.key == key for o in ops[r.name]):
@@ -410,6 +413,8 @@ def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, meta: dict[str, ResolvedR
 
 
 def measure_input_key(run: str, m: ResolvedMeasure) -> str:
+    if m.reduce is not None:  # the reduction's result, computed in the forward
+        return donor_key(run, m.layer, m.value or "", m.position, m.step) + f" -> {m.written}"
     if m.kind == "norm":
         return donor_key(run, m.layer, m.value or "", m.position, m.step)
     return donor_key(run, None, "logits", None, m.step)

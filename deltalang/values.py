@@ -98,3 +98,15 @@ def names() -> list[str]:
 
 def get(name: str) -> Value | None:
     return CATALOGUE.get(name)
+
+
+def axes(name: str, per_channel_decay: bool = False) -> tuple[str, ...] | None:
+    """A value's axes as its catalogue shape names them (`("b", "s", "heads", "key_dim", "value_dim")`),
+    `decays` with `key_dim` on a per-channel family (Kimi); None for a value with no tensor shape (`tokens`)."""
+    if name == "decays" and per_channel_decay:
+        return ("b", "s", "heads", "key_dim")
+    v = CATALOGUE.get(name)
+    shape = v.shape if v is not None else MODEL_VALUES.get(name)
+    if shape is None or name == "tokens":
+        return None
+    return tuple("window" if a == "width-1" else a for a in shape.split("]")[0].strip("[ ").split(", "))

@@ -22,6 +22,7 @@ from nnsight.intervention.interleaver import Mediator
 from .. import values
 from ..errors import DeltaValueError
 from .requests import _POSITION
+from .reduced import register
 from .site import MixerSite
 
 
@@ -112,6 +113,15 @@ class DeltaNetEnvoy(Envoy):
         served once the last written position has run, so tokens after a write show its effect.
         """
         return self._get("states_as_run")
+
+    def states_reduced(self, reduction: Any) -> torch.Tensor:
+        """A `measures.Reduction` of `states` computed in the kernel call a group of chunks at a time, so the
+        state after every token (`[b, s, heads, key_dim, value_dim]`) never exists (`deltalang.mixer.reduced`)."""
+        raw = self._get(register(self.site, reduction))
+        if reduction.keeps_positions and isinstance(raw, torch.Tensor):
+            pad = self._pad(_mediator("states_reduced"))
+            return raw[:, pad:] if pad else raw
+        return raw
 
     @property
     def state(self) -> torch.Tensor:

@@ -28,7 +28,7 @@ from ..errors import DeltaValueError
 
 DIRECT = "!direct"  # names of positions written through `MixerSite.direct`, without a trace
 # the values this package serves from inside the kernel call (the others are nnsight's own)
-SERVED = frozenset(name for name, v in values.CATALOGUE.items() if v.kernel) | {"states_as_run"}
+SERVED = frozenset(name for name, v in values.CATALOGUE.items() if v.kernel) | {"states_as_run", "states_reduced"}
 _POSITION = re.compile(r"\.(state_after|conv_window_after)\.(-?\d+)(?:@(\d+))?$")
 
 

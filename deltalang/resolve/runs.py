@@ -22,6 +22,7 @@ from ..ir import (ResolvedMeasure, ResolvedOp, ResolvedRun, SweepAxis, measure_c
                   op_result_name, site_text)
 from ..tokens import token_id
 from .effects import check_write
+from .reductions import reduced_measures, reduced_read, wanted_measure
 from .scope import Ctx, Fail, Scope, Target, did_you_mean, n_tokens
 from .sites import expand, index, piece, targets
 from .sources import is_pending, run_target, write_source
@@ -278,7 +279,7 @@ def statement(scope: Scope, st: ast.Statement, ctx: Ctx, ops: list[Any], measure
                                f"per position, named by it (RUN.L0.state_after(3)): drop 'as {st.alias}'",
                                site.position.span)
                 for t in targets(scope, site, ctx, writing=False):
-                    ops.append(read_op(scope, t, st.alias, ctx, site.span))
+                    ops.append(reduced_read(scope, read_op(scope, t, st.alias, ctx, site.span), site, t, ctx))
             except Fail:
                 pass
         return
@@ -344,6 +345,8 @@ def measure(scope: Scope, call: ast.MeasureCall, alias: str | None, ctx: Ctx) ->
         return [ResolvedMeasure("kl", name, step, against=run, written=text, alias=alias, span=call.span)]
     if isinstance(call, ast.Top):
         return [top_measure(scope, call, alias, ctx)]
+    if wanted_measure(call, ctx):  # norm over axes, projection: computed in the forward
+        return reduced_measures(scope, call, alias, ctx)  # type: ignore[arg-type]
     out = []
     if call.site.head is not None:
         scope.fail("norm(...) of one head is not supported: norm takes a whole value", call.site.head.span)

@@ -1,0 +1,62 @@
+"""Reads of a reduction of `states`, served beside the kernel call: the full states never exist.
+
+The user side (`DeltaNetEnvoy.states_reduced(reduction)`) registers a `measures.Reduction` on the site
+under a key and parks on `"{mixer path}.states_reduced.{key}"`. The kernel side (`serve_reduced`, called by
+`DeltaRuleCall.kernel` before `states` and its own segments, from the same inputs and initial state the `states`
+read sees) runs `deltarule.per_token_reduced` once for every reduction waiting on this call, each fed the
+states a group of chunks at a time, and serves each result; the kernel call itself is left as it is. A
+result that keeps positions is `[b, s, ...]` in the call's padded rows, cut past each invoke's padding on
+the user side, as `states` is; a mean or norm over positions leaves the padding out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from .. import deltarule
+from ..measures import Reduction
+
+NAME = "states_reduced"
+_KEYS = itertools.count()
+
+
+def _pending(site: Any) -> dict[str, Reduction]:
+    """The reductions registered on a site and not yet served, by key."""
+    return site.__dict__.setdefault("_reductions", {})
+
+
+def register(site: Any, reduction: Reduction) -> str:
+    """Register `reduction` on `site`; the name of the location its read parks on (after the mixer path)."""
+    key = str(next(_KEYS))
+    _pending(site)[key] = reduction
+    return f"{NAME}.{key}"
+
+
+def serve_reduced(call: Any, step: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  g: torch.Tensor, beta: torch.Tensor, initial: torch.Tensor | None, l2: bool) -> None:
+    """Serve every reduction of `states` a worker waits on in this call (`call`: the `DeltaRuleCall`)."""
+    while True:  # a worker asks for its next reduction once the last is served
+        names = _waiting(call)
+        if not names:
+            return
+        b, s = query.shape[:2]
+        pending = _pending(call)
+        streams = {n: pending.pop(n.split(".", 1)[1]).stream(b, s, call.pads) for n in names}
+        deltarule.per_token_reduced(call.family, query, key, value, g, beta, initial, l2,
+                                    [st.add for st in streams.values()])
+        for n, st in streams.items():
+            call.serve(n, st.result(), step)
+
+
+def _waiting(call: Any) -> list[str]:
+    """The locations (after the mixer path) of the registered reductions a worker is parked on now."""
+    il = call.interleaver
+    if il is None:
+        return []
+    prefix = f"{call.path}.{NAME}."
+    pending = _pending(call)
+    return [loc[len(call.path) + 1:] for loc in il.parked
+            if loc.startswith(prefix) and loc[len(prefix):] in pending]

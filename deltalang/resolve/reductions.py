@@ -1,0 +1,153 @@
+"""Reductions of reads and measures: `SITE.norm(AXES)`, `.mean(AXES)`, `.head(K)`, `.project(load(F))`,
+`norm(SITE, over=[AXES])`, `project(SITE, load(F))`.
+
+`reduced_read()` gives a read op its `ir.Reduce`, `reduced_measures()` the measures; both check every step
+against the value's axes (`values.axes`, the catalogue's shape names; `positions` stands for `s`, `key` for
+`key_dim`, `value` for `value_dim`) with `measures.step_axes`, the one statement of what a step leaves,
+and a direction's shape (its safetensors header, read here) against the axes it contracts: a located
+error before anything runs. Reductions run in traces and generates; a sweep's cells are the engine's,
+which computes the values whole, so a reduction there is an error. `states.head(K)` in a trace is a
+reduction too: the value layer then serves one head, a group of chunks at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+from safetensors import SafetensorError, safe_open
+
+from .. import ast, measures, values
+from ..ir import Load, Reduce, ResolvedMeasure, ResolvedOp, measure_result_name, site_text
+from ..spec import text_config
+from .scope import Ctx, Scope, Target
+from .sites import targets
+
+ALIASES = {"positions": "s", "position": "s", "key": "key_dim", "value": "value_dim", "head": "heads",
+           "batch": "b"}
+
+
+def wanted(site: ast.Site, ctx: Ctx) -> bool:
+    """Whether a read of `site` is a reduction: one written, or one head of `states` (outside a sweep)."""
+    return bool(site.reduce) or (site.value == "states" and isinstance(site.head, ast.IntPos)
+                                 and ctx.kind != "sweep")
+
+
+def reduced_read(scope: Scope, op: ResolvedOp, site: ast.Site, t: Target, ctx: Ctx) -> ResolvedOp:
+    """`op` (a read of target `t` of `site`) with its reduction, named `RUN.L0.states.norm(...)`."""
+    if not wanted(site, ctx):
+        return op
+    red = build(scope, site, t, ctx, [])
+    name = op.result_name if op.alias is not None else f"{op.result_name}{red.text}"
+    return attrs.evolve(op, reduce=red, result_name=name)
+
+
+def wanted_measure(call: ast.MeasureCall, ctx: Ctx) -> bool:
+    """Whether a measure is computed in the forward: a projection, a norm over axes or of a reduced site, or
+    a norm of `states` (whose every state would otherwise exist at once) or of one head, outside a sweep."""
+    if isinstance(call, ast.Project):
+        return True
+    if not isinstance(call, ast.Norm):
+        return False
+    return call.over is not None or bool(call.site.reduce) or (
+        ctx.kind != "sweep" and (call.site.value == "states" or call.site.head is not None))
+
+
+def reduced_measures(scope: Scope, call: ast.Norm | ast.Project, alias: str | None,
+                     ctx: Ctx) -> list[ResolvedMeasure]:
+    """A norm or projection computed in the forward, one per block of its site."""
+    kind = "project" if isinstance(call, ast.Project) else "norm"
+    if kind == "project":
+        last = ast.Reduce("project", direction=call.direction, span=call.direction.span)  # type: ignore[union-attr]
+        tail = f", {ast.format_expr(call.direction)})"  # type: ignore[union-attr]
+    else:
+        over = call.over  # type: ignore[union-attr]
+        last = ast.Reduce("norm", over or (), span=call.span)
+        tail = ")" if over is None else f", over=[{', '.join(over)}])"
+    out = []
+    for t in targets(scope, call.site, ctx, writing=False):
+        red = build(scope, call.site, t, ctx, [last])
+        shown = site_text(t.layer, t.value, t.position, t.layer_var, t.head) + "".join(
+            ast.format_reduce(r) for r in call.site.reduce)
+        name = measure_result_name(ctx.name, t.step, f"{kind}({shown}{tail}", alias, t.layer, t.multi)
+        out.append(ResolvedMeasure(kind, name, t.step, layer=t.layer, value=t.value, position=t.position,
+                                   written=f"{kind}({t.written}{tail}", alias=alias, span=call.span, reduce=red))
+    return out
+
+
+def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast.Reduce]) -> Reduce:
+    """The `ir.Reduce` of target `t`: its head (of `states`), the site's reductions, then `extra`."""
+    chain = [*site.reduce, *extra]
+    if ctx.kind == "sweep":
+        scope.fail("a reduction runs in a trace or a generate; a sweep's cells take whole values (measure "
+                   "norm(SITE) of a whole value here)", (chain[0].span if chain else site.span))
+    per_channel = bool(scope.spec.family.per_channel_decay)
+    axes = values.axes(t.value, per_channel)
+    if axes is None:
+        scope.fail(f"'{t.value}' has no axes to reduce", site.span)
+    sizes = _sizes(scope, t, ctx)
+    steps: list[tuple[str, Any]] = []
+    text = ""
+    if t.value == "states" and t.head is not None and t.head_var is None:
+        steps.append(("head", t.head))  # the value layer serves the one head a group of chunks at a time
+    elif t.head is not None:  # another value's head: its slice is read, then reduced
+        axes = tuple(a for a in axes if a != "heads")
+    have = measures.reduced_axes(axes, steps)
+    for i, r in enumerate(chain):
+        arg: Any = r.index if r.kind == "head" else None
+        if r.kind in ("norm", "mean") and r.axes:
+            arg = tuple(ALIASES.get(a, a) for a in r.axes)
+        try:
+            after = measures.step_axes(have, r.kind, arg)
+        except measures.ReductionError as e:
+            scope.fail(f"{ast.format_reduce(r)[1:]}: {e}", r.span)
+        if r.kind == "head" and not 0 <= r.index < sizes["heads"]:  # type: ignore[operator]
+            scope.fail(f"no head {r.index}: this model's DeltaNet blocks have {sizes['heads']} value heads", r.span)
+        if r.kind == "project":
+            assert r.direction is not None
+            arg = direction(scope, r.direction, [a for a in have if a not in ("b", "s")], sizes)
+        steps.append((r.kind, arg))
+        have = after
+        if i < len(site.reduce):
+            text += ast.format_reduce(r)
+    return Reduce(tuple(axes), tuple(steps), text, tuple((a, sizes.get(a)) for a in have))
+
+
+def _sizes(scope: Scope, t: Target, ctx: Ctx) -> dict[str, int | None]:
+    """Each axis's size in this run: its prompt's tokens for `s` (one at a decode step), the model's dims."""
+    d = scope.spec.dims
+    cfg = text_config(scope.spec.config)
+    s: int | None = len(ctx.toks)
+    if ctx.kind == "generate":
+        s = len(ctx.toks) if t.step == 0 else (1 if t.step is not None else None)
+    return {"b": 1, "s": s, "heads": d.get("heads"), "key_dim": d.get("key_dim"), "value_dim": d.get("value_dim"),
+            "hidden": getattr(cfg, "hidden_size", None), "vocab": getattr(cfg, "vocab_size", None),
+            "conv_dim": d.get("conv_dim"), "window": d["conv_width"] - 1 if "conv_width" in d else None}
+
+
+def direction(scope: Scope, src: ast.LoadSource, axes: list[str], sizes: dict[str, int | None]) -> Load:
+    """A projection's direction: the file relative to the program's, its shape (from its header only) the
+    axes it contracts (with or without a batch axis of 1)."""
+    if not src.path.endswith(".safetensors"):
+        scope.fail(f"load reads safetensors files only (no pickle, no code): {ast.quote(src.path)}", src.span)
+    base = Path(scope.filename).parent if not scope.filename.startswith("<") else Path.cwd()
+    path = Path(src.path) if Path(src.path).is_absolute() else base / src.path
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+            key = src.key if src.key is not None else (keys[0] if len(keys) == 1 else None)
+            if key is None or key not in keys:
+                what = "names no tensor" if src.key is None else f"has no tensor {ast.quote(src.key)}"
+                scope.fail(f"{path} {what}: it holds {', '.join(map(ast.quote, keys)) or 'none'}; name one: "
+                           f"load({ast.quote(src.path)}, \"KEY\")", src.span)
+            shape = tuple(f.get_slice(key).get_shape())
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        scope.fail(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", src.span)
+    want = tuple(sizes.get(a) for a in axes)
+    if shape not in (want, (1, *want)) or not axes:
+        shown = "[" + ", ".join(f"{a}={sizes.get(a)}" for a in axes) + "]"
+        scope.fail(f"a direction of the wrong shape: {ast.quote(key)} in {src.path} is {list(shape)}, and the "
+                   f"projection contracts {shown} ({math.prod(n or 0 for n in want)} numbers)", src.span)
+    return Load(str(path.resolve()), key, src.path)

@@ -1,0 +1,186 @@
+"""Reductions in the language, computed inside the forward, against transformers' cache.
+
+Ground truth: transformers' cache after the first t+1 tokens holds the state after token t
+(`get_recurrent_state`), and a plain forward's hidden states the block outputs; every reduced read
+and measure is compared with the same reduction of those. The value layer's streamed reduction of
+`states` (a group of chunks at a time, `deltarule.per_token_reduced`) is also checked never to allocate
+the whole `[b, s, heads, key_dim, value_dim]`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import deltalang
+from deltalang import deltarule, families, measures
+from deltalang.errors import DeltaError
+from deltalang.testing import load_hf, tiny_checkpoint
+
+PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens
+FAMILIES = ("qwen3_5", "kimi_linear")
+
+
+def _truth(family: str) -> tuple[Any, Any, torch.Tensor, dict[int, torch.Tensor]]:
+    """The deltalang model, plain transformers, the prompt's ids, and per DeltaNet block the cache's state
+    after every token `[1, s, heads, key_dim, value_dim]`."""
+    path = tiny_checkpoint(family)
+    model = deltalang.load_model(path)
+    hf = load_hf(path).eval()
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    layers = model.spec.linear_layers()
+    per: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+    with torch.no_grad():
+        for t in range(ids.shape[1]):
+            cache = hf(ids[:, : t + 1], use_cache=True).past_key_values
+            for i in layers:
+                per[i].append(cache.get_recurrent_state(i).float())
+    return model, hf, ids, {i: torch.stack(v, dim=1) for i, v in per.items()}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def truth(request: pytest.FixtureRequest) -> tuple[Any, Any, torch.Tensor, dict[int, torch.Tensor]]:
+    return _truth(request.param)
+
+
+def _close(got: Any, want: torch.Tensor, tol: float = 5e-5) -> None:
+    got = torch.as_tensor(got).float()
+    assert tuple(got.shape) == tuple(want.shape), (got.shape, want.shape)
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    assert err < tol, err
+
+
+def _run(model: Any, body: str) -> Any:
+    return deltalang.run(f'prompt p = "{PROMPT}"\ntrace t on p {{\n{body}\n}}\n', model=model)
+
+
+def test_norms_means_and_heads_of_states_equal_the_cache(truth: Any) -> None:
+    model, _, _, states = truth
+    i = model.spec.linear_layers()[0]
+    r = _run(model, f"read L{i}.states.norm(key_dim, value_dim) as n\nread L{i}.states.mean(positions) as m\n"
+                    f"read L{i}.states.head(1) as h\nread L{i}.states.head(0).mean(positions).norm() as hm\n"
+                    f"measure norm(L[linear].states)\nmeasure norm(L{i}.states, over=[positions, heads]) as np")
+    s = states[i]
+    _close(r["n"], torch.linalg.vector_norm(s, dim=(-2, -1)))
+    _close(r["m"], s.mean(dim=1))
+    _close(r["h"], s[:, :, 1])
+    _close(r["hm"], torch.linalg.vector_norm(s[:, :, 0].mean(dim=1), dim=(-2, -1)))
+    _close(r["np"], torch.linalg.vector_norm(s, dim=(1, 2)))
+    for j in model.spec.linear_layers():
+        _close(r[f"t.norm(L{j}.states)"], torch.linalg.vector_norm(states[j].flatten(2), dim=-1))
+
+
+def test_projection_onto_a_loaded_direction_is_the_dot_product(truth: Any, tmp_path: Path) -> None:
+    model, _, _, states = truth
+    i = model.spec.linear_layers()[-1]
+    d = model.spec.dims
+    direction = torch.randn(d["heads"], d["key_dim"], d["value_dim"], generator=torch.Generator().manual_seed(3))
+    per_head = torch.randn(d["key_dim"], d["value_dim"], generator=torch.Generator().manual_seed(4))
+    safetensors.torch.save_file({"d": direction}, str(tmp_path / "dir.safetensors"))
+    safetensors.torch.save_file({"d": per_head}, str(tmp_path / "head.safetensors"))
+    r = _run(model, f'measure project(L{i}.state_after(20), load("{tmp_path}/dir.safetensors")) as one\n'
+                    f'read L{i}.states.project(load("{tmp_path}/dir.safetensors")) as every\n'
+                    f'read L{i}.states.head(2).project(load("{tmp_path}/head.safetensors")) as head')
+    s = states[i]
+    assert isinstance(r["one"], float)
+    _close(torch.tensor([r["one"]]), (s[:, 20] * direction).sum(dim=(1, 2, 3)))
+    _close(r["every"], (s * direction).sum(dim=(2, 3, 4)))
+    _close(r["head"], (s[:, :, 2] * per_head).sum(dim=(2, 3)))
+
+
+def test_reductions_of_other_values_equal_plain_transformers(truth: Any) -> None:
+    model, hf, ids, states = truth
+    i = model.spec.linear_layers()[0]
+    r = _run(model, f"read L{i}.output.mean(positions) as o\nread L{i}.state_output.head(1).norm() as f\n"
+                    f"measure norm(L{i}.state_after(5), over=[key_dim])\nmeasure norm(L{i}.state_output.head(1)) as nh")
+    with torch.no_grad():
+        hidden = hf(ids, output_hidden_states=True).hidden_states[i + 1]
+    _close(r["o"], hidden.float().mean(dim=1), 1e-4)
+    _close(torch.tensor([r["f"]]), torch.linalg.vector_norm(states[i][:, -1, 1], dim=(-2, -1)))
+    _close(r[f"t.norm(L{i}.state_after(5), over=[key_dim])"], torch.linalg.vector_norm(states[i][:, 5], dim=2))
+    _close(torch.tensor([r["nh"]]), torch.linalg.vector_norm(states[i][:, -1, 1], dim=(-2, -1)))
+
+
+def test_padded_invokes_reduce_their_own_positions_only() -> None:
+    """Two runs of different lengths share a left-padded forward: each one's mean over positions is over its
+    own tokens (the cache of each prompt alone is the truth)."""
+    model, _, ids, states = _truth("qwen3_5")
+    i = model.spec.linear_layers()[1]
+    short = PROMPT[:23]
+    r = deltalang.run(f'prompt a = "{PROMPT}"\nprompt b = "{short}"\ntrace ta on a {{ read L{i}.states.mean(positions) '
+                      f'as ma }}\ntrace tb on b {{ read L{i}.states.mean(positions) as mb\nread L{i}.states.norm() as nb }}\n',
+                      model=model)
+    _close(r["ma"], states[i].mean(dim=1))
+    _close(r["mb"], states[i][:, :23].mean(dim=1))  # a prefix: the cache after its tokens is the same
+    _close(r["nb"], torch.linalg.vector_norm(states[i][:, :23].flatten(2), dim=-1))
+
+
+class _Largest(TorchDispatchMode):
+    """The largest tensor any op makes (elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(x, torch.Tensor):
+                self.largest = max(self.largest, x.numel())
+        return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_streamed_reduction_never_makes_every_state(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fam = families.by_name(family)
+    b, s, h, dk, dv = 1, 512, 2, 16, 128
+    monkeypatch.setattr(deltarule, "_BLOCK_BYTES", 4 * deltarule.CHUNK * h * dk * dv * 4)  # groups of 4 chunks
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(b, s, h, dk, generator=gen), torch.randn(b, s, h, dk, generator=gen)
+    v = torch.randn(b, s, h, dv, generator=gen)
+    g = -torch.rand(b, s, h, dk, generator=gen) if fam.per_channel_decay else -torch.rand(b, s, h, generator=gen)
+    beta = torch.rand(b, s, h, generator=gen)
+    red = measures.Reduction(("b", "s", "heads", "key_dim", "value_dim"), [("norm", None)])
+    acc = red.stream(b, s)
+    with _Largest() as mode, torch.no_grad():
+        deltarule.per_token_reduced(fam, q, k, v, g, beta, None, True, [acc.add])
+    assert mode.largest < b * s * h * dk * dv // 4, mode.largest
+    _, every = deltarule.per_token(fam, q, k, v, g, beta, None, True)
+    _close(acc.result(), torch.linalg.vector_norm(every.flatten(2), dim=-1), 1e-5)
+
+
+def test_check_prints_each_reduced_shape_and_emit_reduces_in_the_value_layer(tmp_path: Path) -> None:
+    from deltalang.check import check
+    from deltalang.explain import format_resolved
+    from deltalang.spec import load_spec
+
+    spec = load_spec(tiny_checkpoint("qwen3_5"))
+    out = check('prompt p = "The Eiffel"\nread L0.states.norm(key_dim, value_dim) as n\n'
+                'read L0.states.mean(positions)\nmeasure norm(L0.states)\n', spec)
+    text = format_resolved(out)
+    d = spec.dims
+    assert f"as n, shape [b=1, s=10, heads={d['heads']}]" in text, text
+    assert f"shape [b=1, heads={d['heads']}, key_dim={d['key_dim']}, value_dim={d['value_dim']}]" in text
+    code = deltalang.compile('prompt p = "The Eiffel"\nmeasure norm(L[linear].states)\n').code
+    assert ".states_reduced(measures.Reduction(('b', 's', 'heads', 'key_dim', 'value_dim'), [('norm', None)]))" \
+        in code and ".states.save()" not in code
+
+
+def test_a_direction_of_the_wrong_shape_is_a_located_error(tmp_path: Path) -> None:
+    from deltalang.check import check
+    from deltalang.spec import load_spec
+
+    spec = load_spec(tiny_checkpoint("qwen3_5"))
+    safetensors.torch.save_file({"d": torch.zeros(3, 5)}, str(tmp_path / "d.safetensors"))
+    prog = tmp_path / "p.dl"
+    prog.write_text('prompt p = "The Eiffel"\nmeasure project(L0.state_output, load("d.safetensors"))\n')
+    with pytest.raises(DeltaError) as info:
+        check(prog.read_text(), spec, filename=str(prog))
+    text = info.value.render()
+    assert text.startswith(f"{prog}:2:34: error: a direction of the wrong shape: \"d\" in d.safetensors is [3, 5]"), text
+    assert "^" in text
