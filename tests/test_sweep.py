@@ -156,12 +156,12 @@ def test_a_prefix_shorter_than_a_cached_token_window_takes_the_naive_path() -> N
     code pads them with a token of its choosing, which the cache cannot tell: the engine says so and the
     naive path serves the cells; from a longer prefix the engine serves them."""
     model = model_of("qwen4_exp")
-    src = PROMPTS + ('sweep z on clean over L in L[linear], t in 1..1 {\n'
+    src = PROMPTS + ('sweep z on clean over L in L[linear], t in 1..2 {\n'
                      f'    write L.state_after(t) from other\n    measure {MEASURES}\n}}\n')
     fast = run_sweep(src, model, progress=False)
     assert fast.paths["z"] == "naive: a cache state of token ids 2 wide after only 1 tokens: the model's own " \
                               "code pads so short a prefix itself"
-    assert run_sweep(src.replace("1..1", "2..2"), model, progress=False).paths["z"] == "engine"
+    assert run_sweep(src.replace("1..2", "2..3"), model, progress=False).paths["z"] == "engine"
 
 
 def test_cells_at_nearby_starts_share_a_forward(model: deltalang.DeltaModel, monkeypatch: pytest.MonkeyPatch) -> None:
