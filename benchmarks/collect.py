@@ -1,0 +1,123 @@
+"""Collecting the state at the subject of every record: deltalang vs plain batched forwards, side by side.
+
+On a random model with Qwen3.5-0.8B's shapes (18 DeltaNet blocks, one state 16 x 128 x 128 float32 =
+1 MiB, so 18 MiB a record), records of 16-96 tokens (`dataset_records.records`):
+  plain      transformers' own forwards over the same records, in the same batches (sorted by length,
+             `MAX_GROUP` a forward, left-padded), no intervention, nothing kept, `logits_to_keep=1`
+  deltalang  `read L[linear].state_after(facts.subject) as s` over the dataset, every record's 18 states
+             written to sharded safetensors in a fresh --out (`deltalang.collect`), resolution included
+For each number of records: the median time of each (cases interleaved), deltalang / plain, the peak
+resident memory above the process's size before the case (sampled every 2 ms), the bytes written
+and the write rate (bytes / deltalang's time). Peak memory should not grow with the records: a
+group's values and at most one shard are held at once. The collection's first record is checked
+against a plain trace of the same model (rel. 1e-4).
+
+    python benchmarks/collect.py [--records 128 1024] [--repeat 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, qwen35_08b_shaped, tokenizer_for  # noqa: E402
+from dataset_records import records  # noqa: E402
+from values import peak_memory  # noqa: E402
+
+import deltalang  # noqa: E402
+from deltalang.collect import human  # noqa: E402
+from deltalang.dataset_run import MAX_GROUP  # noqa: E402
+from deltalang.model import wrap_model  # noqa: E402
+
+PROGRAM = """trace t on facts {
+    read L[linear].state_after(facts.subject) as s
+}
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--records", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--low", type=int, default=16)
+    ap.add_argument("--high", type=int, default=96)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--out", default=None, help="where the collections go (default: a temporary directory)")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    hf = qwen35_08b_shaped()
+    tok = tokenizer_for()
+    model = wrap_model(hf, tok, "random Qwen3.5-0.8B-shaped")
+    linear = model.linear_layers()
+    base = Path(args.out or tempfile.mkdtemp(prefix="deltalang-collect-"))
+    print(f"benchmarks/collect.py — {datetime.date.today()} — {machine()}")
+    print(f"read L[linear].state_after(facts.subject) ({len(linear)} blocks) over records of {args.low}-{args.high} "
+          f"tokens; random Qwen3.5-0.8B-shaped model; median of {args.repeat}")
+    print(f"{'records':>7} | {'plain':>8} | {'deltalang':>9} | {'dl / plain':>10} | {'peak plain':>10} | "
+          f"{'peak dl':>9} | {'written':>9} | {'write rate':>11}")
+    for n in args.records:
+        data = records(n, args.low, args.high)
+        ids = [tok(r["prompt"]).input_ids for r in data]
+        order = sorted(range(n), key=lambda i: len(ids[i]))
+        batches = [order[i:i + MAX_GROUP] for i in range(0, n, MAX_GROUP)]
+        out = base / f"n{n}"
+
+        def plain() -> None:
+            for b in batches:
+                enc = tok.pad({"input_ids": [ids[i] for i in b]}, return_tensors="pt")
+                hf(**enc, logits_to_keep=1)
+
+        def ours() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            deltalang.run(PROGRAM, model, data={"facts": data}, out=out)
+
+        t0 = time.perf_counter()
+        times, peaks = timed({"plain": plain, "deltalang": ours}, args.repeat)
+        wall = time.perf_counter() - t0
+        col = deltalang.load_results(out)
+        _check_first(model, data, col, linear)
+        written = sum(f.stat().st_size for f in out.iterdir())
+        print(f"{n:>7} | {times['plain']:>6.1f} s | {times['deltalang']:>7.1f} s | "
+              f"{times['deltalang'] / times['plain']:>9.2f}x | {human(peaks['plain']):>10} | "
+              f"{human(peaks['deltalang']):>9} | {human(written):>9} | {human(written / times['deltalang']):>9}/s"
+              f"   (wall {wall:.0f} s, {len(col.manifest['shards'])} shards)")
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def timed(cases: dict[str, Callable[[], object]], repeat: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Median seconds and highest peak memory of each case, the cases taking turns (each run timed and watched)."""
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    peaks = dict.fromkeys(cases, 0)
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            peaks[name] = max(peaks[name], peak_memory(fn))
+            samples[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}, peaks
+
+
+def _check_first(model: deltalang.DeltaModel, data: list[dict[str, str]], col: deltalang.Collection,
+                 linear: list[int]) -> None:
+    """The first record's states equal a plain trace of its prompt alone."""
+    record, values = col[0]
+    prompt, subject = record["prompt"], record["subject"]
+    pos = len(model.tokenizer(prompt[:prompt.index(subject) + len(subject)]).input_ids) - 1
+    box: dict[str, list[torch.Tensor]] = {}
+    with model.trace(prompt):
+        box["s"] = [model.layers[L].linear_attn.state_after(pos).save() for L in linear]
+    for L, want in zip(linear, box["s"]):
+        got = values[f"s.L{L}"]
+        assert float((got - want[0]).norm() / want.norm()) < 1e-4, L
+
+
+if __name__ == "__main__":
+    main()
