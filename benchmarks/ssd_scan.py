@@ -9,7 +9,7 @@ chunk 256), a 512-token prompt; the scan's inputs are taken from inside the mixe
   states       `ssd.per_token`: every token's state `[1, s, 32, 64, 128]` float32
   loop         `ssd.per_token_loop` (token by token)
 
-    python benchmarks/ssd_scan.py [--length 512] [--repeat 3]
+    python benchmarks/ssd_scan.py [--length 512] [--repeat 3] [--cases scan final ...]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cases", nargs="*", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     mixer, module = _mixer()
@@ -60,10 +61,12 @@ def main() -> None:
         "block": lambda: mixer(x),
         "scan": lambda: original(*a, chunk, return_final_states=True, **kw),
         "split": lambda: ssd.split(original, *a, chunk, [args.length // 2], **kw),
+        "split/al": lambda: ssd.split(original, *a, chunk, [args.length // 2 - 1], **kw),
         "final": lambda: ssd.per_token(*a, final_state=True, **kw),
         "states": lambda: ssd.per_token(*a, **kw),
         "loop": lambda: ssd.per_token_loop(*a, **kw),
     }
+    cases = {c: fn for c, fn in cases.items() if c == "scan" or args.cases is None or c in args.cases}
     times: dict[str, list[float]] = {c: [] for c in cases}
     with torch.no_grad():
         for _ in range(args.repeat):
@@ -76,7 +79,7 @@ def main() -> None:
           f"median of {args.repeat}")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"  {name:7s} {med * 1e3:9.1f} ms  {med / base:6.2f}x scan")
+        print(f"  {name:8s} {med * 1e3:9.1f} ms  {med / base:6.2f}x scan")
 
 
 if __name__ == "__main__":
