@@ -79,7 +79,7 @@ def call_position(op: PlanOp) -> int | None:
 def read_expr(op: PlanOp, tracer: str = "tracer", tail: int | None = None) -> str:
     """The expression that reads `op`'s site inside a trace (`tail`: the run's tokens, if it is padded)."""
     if op.reduce is not None:  # computed in the forward; `states` by the value layer, a group of chunks at a time
-        whole = attrs.evolve(op, reduce=None)  # `.head(h)` of another value: its slice, then the steps
+        whole = attrs.evolve(op, reduce=None, head=None)  # `.head(h)` is the reduction's first step
         red = reduction_expr(op.reduce)
         if op.value == "states":
             return f"{mixer(op.layer)}.states_reduced({red})"  # type: ignore[arg-type]

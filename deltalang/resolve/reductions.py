@@ -90,10 +90,8 @@ def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast
     sizes = _sizes(scope, t, ctx)
     steps: list[tuple[str, Any]] = []
     text = ""
-    if t.value == "states" and t.head is not None and t.head_var is None:
-        steps.append(("head", t.head))  # the value layer serves the one head a group of chunks at a time
-    elif t.head is not None:  # another value's head: its slice is read, then reduced
-        axes = tuple(a for a in axes if a != "heads")
+    if t.head is not None and t.head_var is None:  # the first step (`states`: one head a group of chunks at a time)
+        steps.append(("head", t.head))
     have = measures.reduced_axes(axes, steps)
     for i, r in enumerate(chain):
         arg: Any = r.index if r.kind == "head" else None
