@@ -192,8 +192,9 @@ def test_the_command_line_runs_it_and_refuses_what_it_cannot(model: deltalang.De
     assert rc == 0, err
     assert out.splitlines()[2].split() == ["L", "t", "measure", "plain", "blk1", "exact", "n"]
     assert (tmp_path / "o" / "results.csv").exists()
-    for flags, message in ((["--resume", "--out", tmp_path / "o"], "drop --resume"),
-                           (["--normalise", "clean=facts,corrupted=facts.corrupt"], "drop --normalise")):
+    for flags, message in ((["--resume", "--out", tmp_path / "o"], "--resume: not an option of a sweep by attribution"),
+                           (["--normalise", "clean=facts,corrupted=facts.corrupt"],
+                            "--normalise: not an option of a sweep by attribution")):
         rc, _, err = cli("sweep", f, "--attribution", *flags)
         assert rc == 1 and message in one_error_line(err)
 
