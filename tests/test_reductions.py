@@ -184,3 +184,22 @@ def test_a_direction_of_the_wrong_shape_is_a_located_error(tmp_path: Path) -> No
     text = info.value.render()
     assert text.startswith(f"{prog}:2:34: error: a direction of the wrong shape: \"d\" in d.safetensors is [3, 5]"), text
     assert "^" in text
+
+
+def test_under_generate_a_decode_step_reduces_its_one_token() -> None:
+    """At step k the call runs one token: its states' mean over positions is the state after that token, which
+    transformers' cache holds after the prompt and the tokens generated before it (the bundled model, whose
+    greedy continuation does not stop at once)."""
+    path = Path(deltalang.__file__).parent / "bundled" / "model"
+    model, hf = deltalang.load_model(None), load_hf(path).eval()
+    i = model.spec.linear_layers()[1]
+    prompt = "The Eiffel Tower is in the city of"
+    r = deltalang.run(f'prompt p = "{prompt}"\ngenerate g on p max_new_tokens 2 {{\n'
+                      f'read L{i}.states.mean(positions) as m\nread L{i}.states.norm() as n\nread tokens\n}}\n', model=model)
+    ids = model.tokenizer(prompt, return_tensors="pt").input_ids
+    new = torch.as_tensor(r["g.tokens"]).reshape(1, -1)[:, :1]
+    with torch.no_grad():
+        cache = hf(torch.cat([ids, new], dim=1), use_cache=True).past_key_values
+    after = cache.get_recurrent_state(i).float()
+    _close(r["m.step1"], after)
+    _close(r["n.step1"], torch.linalg.vector_norm(after.flatten(1), dim=-1)[:, None])

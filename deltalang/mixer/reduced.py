@@ -39,7 +39,7 @@ def serve_reduced(call: Any, step: int, query: torch.Tensor, key: torch.Tensor, 
                   g: torch.Tensor, beta: torch.Tensor, initial: torch.Tensor | None, l2: bool) -> None:
     """Serve every reduction of `states` a worker waits on in this call (`call`: the `DeltaRuleCall`)."""
     while True:  # a worker asks for its next reduction once the last is served
-        names = _waiting(call)
+        names = _waiting(call, step)
         if not names:
             return
         b, s = query.shape[:2]
@@ -51,12 +51,16 @@ def serve_reduced(call: Any, step: int, query: torch.Tensor, key: torch.Tensor, 
             call.serve(n, st.result(), step)
 
 
-def _waiting(call: Any) -> list[str]:
-    """The locations (after the mixer path) of the registered reductions a worker is parked on now."""
-    il = call.interleaver
-    if il is None:
-        return []
+def _waiting(call: Any, step: int) -> list[str]:
+    """The locations (after the mixer path) of the registered reductions a worker waits on at this step (a
+    worker of a later step may already be parked on its own: it is served at its step)."""
     prefix = f"{call.path}.{NAME}."
     pending = _pending(call)
-    return [loc[len(call.path) + 1:] for loc in il.parked
-            if loc.startswith(prefix) and loc[len(prefix):] in pending]
+    out = []
+    for m in call._mediators():
+        p = m.pending
+        if p is None or not p.provider or not p.provider.startswith(prefix) or p.iteration != step:
+            continue
+        if p.provider[len(prefix):] in pending and p.provider[len(call.path) + 1:] not in out:
+            out.append(p.provider[len(call.path) + 1:])
+    return out
