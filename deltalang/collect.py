@@ -302,16 +302,22 @@ class CollectStore:
                 pass
 
 
-def run_group(program: ast.Program, group: Sequence[RecordResolution], run: Callable[[Resolved], Any],
-              merge: Callable[[list[tuple[int, Resolved]]], Resolved],
+def prepare(program: ast.Program, resolutions: Sequence[RecordResolution], done: set[int]) \
+        -> tuple[list[RecordResolution], dict[int, dict[str, str]]]:
+    """The records to run, their programs `canonical` (so that they share forwards), and their labels."""
+    todo, labels = [], {}
+    for r in resolutions:
+        if r.resolved is not None and r.record.index not in done:
+            res, labels[r.record.index] = canonical(program, r.resolved)
+            todo.append(RecordResolution(r.record, res, None))
+    return todo, labels
+
+
+def run_group(group: Sequence[RecordResolution], labels: Mapping[int, Mapping[str, str]],
+              run: Callable[[Resolved], Any], merge: Callable[[list[tuple[int, Resolved]]], Resolved],
               measure_label: Callable[[str, Any], str]) -> Collected:
     """A group's values by record and label (each record's own: the batch axis dropped), and its measures."""
-    parts, labels = [], {}
-    for r in group:
-        assert r.resolved is not None
-        res, lab = canonical(program, r.resolved)
-        parts.append((r.record.index, res))
-        labels[r.record.index] = lab
+    parts = [(r.record.index, r.resolved) for r in group if r.resolved is not None]
     results = run(merge(parts))
     values: dict[int, dict[str, torch.Tensor]] = {}
     measures: dict[int, dict[str, float]] = {}
@@ -331,13 +337,13 @@ def _key(name: str, k: str) -> str:
     return f"{run}{k}" + (f".{rest}" if rest else "")
 
 
-def layer_of(resolved: Resolved, program: ast.Program) -> tuple[dict[str, str], dict[str, int | None]]:
-    """{label: value}, {label: block} of a record's reads."""
+def layer_of(resolved: Resolved, labels: Mapping[str, str]) -> tuple[dict[str, str], dict[str, int | None]]:
+    """{label: value}, {label: block} of a record's reads (`labels`: its result names' labels)."""
     values, layers = {}, {}
     for run in resolved.runs:
         for op in run.ops:
             if op.kind == "read":
-                label = read_label(program, run.name, op)
+                label = labels[op.result_name]
                 values[label], layers[label] = op.value, op.layer
     return values, layers
 

@@ -34,7 +34,7 @@ import attrs
 
 from . import ast, html
 from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, layer_of, \
-    run_group, slots_of
+    prepare, run_group, slots_of
 from .collection import Collection
 from .compiled import Experiment
 from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
@@ -235,17 +235,17 @@ def run_collection(program: ast.Program, ds: Dataset, resolutions: list[RecordRe
     meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
             "model": model.spec.model_id, "shard_bytes": shard_bytes, "records": len(ds.records)}
     store = CollectStore(Path(out), meta, resume, shard_bytes)
-    groups = record_groups([r for r in resolutions if r.resolved is not None and r.record.index not in store.done],
-                           batch)
+    todo, labels = prepare(program, resolutions, store.done)
+    groups = record_groups(todo, batch)
 
     def run(group: list[RecordResolution]) -> Collected:
-        return run_group(program, group, lambda res: _experiment_run(source, model, filename, res, batch, ds, group),
+        return run_group(group, labels, lambda res: _experiment_run(source, model, filename, res, batch, ds, group),
                          merge, lambda run_name, m: measure_label(program, run_name, m))
 
     first = run(groups[0]) if groups else None
     if first is not None:
         assert groups[0][0].resolved is not None
-        values, layers = layer_of(groups[0][0].resolved, program)
+        values, layers = layer_of(groups[0][0].resolved, labels[groups[0][0].record.index])
         slots = slots_of(next(iter(first.values.values())), values, layers)
         check_fits(Path(out), estimate(first, groups, slots), sum(len(g) for g in groups))
     else:
