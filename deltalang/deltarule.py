@@ -23,7 +23,7 @@ Contract:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -190,6 +190,51 @@ def per_token_reduced(fam: families.Family, query: torch.Tensor, key: torch.Tens
                       g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool,
                       sinks: list[Callable[[int, int, torch.Tensor], None]], chunk_size: int = CHUNK) -> None:
     """`per_token`'s states handed to `sinks` a group of chunks of one batch row at a time (see the contract)."""
+    k, kd, decay, cum, starts, u, b, s = _chunked(fam, query, key, value, g, beta, initial_state, use_qk_l2norm,
+                                                  chunk_size)
+
+    def sink(row: int, start: int, blk: torch.Tensor) -> None:
+        blk = blk.reshape(-1, *blk.shape[2:])[: max(0, s - start)]  # [c * C, h, dk, dv], past the end cut
+        for f in sinks:
+            f(row, start, blk)
+    _chunk_states(k, kd, decay, cum, starts, u, b, sink)
+
+
+def per_token_sq_norms(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool,
+                       chunk_size: int = CHUNK) -> torch.Tensor:
+    """The squared Frobenius norm of each head's state after every token, `[b, s, h]` float32, without the
+    states: with S_t = E_t S0 + sum_j kd[t, j]^T u_j inside a chunk, |S_t|^2 is |E_t S0|^2, plus twice its
+    inner product with the sum, plus the sum's square, which needs only the keys' and corrections' Gram
+    matrices within the chunk (C x C), never a [dk, dv] state per token (in float64: the terms may cancel)."""
+    k, kd, decay, cum, starts, u, b, s = _chunked(fam, query, key, value, g, beta, initial_state, use_qk_l2norm,
+                                                  chunk_size)
+    bh, n, C, dk = k.shape
+    # the products with a state in float32 (as the states themselves are), the C x C sums in float64
+    e = cum.double().exp()  # [bh, n, C, 1 or dk]
+    S0 = starts[:n].transpose(0, 1)  # [bh, n, dk, dv]
+    u64 = u.double()
+    gu = u64 @ u64.transpose(-1, -2)  # [bh, n, C, C]
+    if decay is not None:  # one decay per head
+        d, k64, e1 = decay.double(), k.double(), e[..., 0]
+        first = e1.square() * S0.square().sum(dim=(-2, -1)).double()[..., None]
+        cross = 2 * e1 * (d @ ((k @ S0).double() * u64).sum(-1)[..., None])[..., 0]
+        last = ((d @ ((k64 @ k64.transpose(-1, -2)) * gu)) * d).sum(-1)
+    else:  # per key channel (Kimi): kd[t, j, a] = exp(G_t - G_j)[a] k_j[a]
+        assert kd is not None
+        kd64 = kd.double()
+        first = (e.square() @ S0.square().sum(-1).double()[..., None])[..., 0]
+        q = (u @ S0.transpose(-1, -2)).double()  # [bh, n, C(j), dk]
+        cross = 2 * torch.einsum("xntja,xnja,xnta->xnt", kd64, q, e)
+        last = torch.einsum("xntja,xntla,xnjl->xnt", kd64, kd64, gu)
+    total = (first + cross + last).clamp_min(0).float()  # [bh, n, C]
+    return total.reshape(b, bh // b, n * C)[:, :, :s].transpose(1, 2)
+
+
+def _chunked(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int
+             ) -> tuple[Any, ...]:
+    """`per_token`'s chunked pieces without its outputs: (k, kd, decay, cum, starts, u, b, s)."""
     q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
     b, h, s, dk = k.shape
     dv = v.shape[-1]
@@ -214,12 +259,7 @@ def per_token_reduced(fam: families.Family, query: torch.Tensor, key: torch.Tens
         system, decay = (kd @ (k * bb)[..., None])[..., 0], None
     inverse = _inverse_unit_lower(system.tril(-1))
     starts, u = _scan(S0.reshape(b * h, dk, dv), inverse @ (v * bb), inverse @ (k * bb * cum.exp()), k, cum)
-
-    def sink(row: int, start: int, blk: torch.Tensor) -> None:
-        blk = blk.reshape(-1, *blk.shape[2:])[: max(0, s - start)]  # [c * C, h, dk, dv], past the end cut
-        for f in sinks:
-            f(row, start, blk)
-    _chunk_states(k, kd, decay, cum, starts, u, b, sink)
+    return k, kd, decay, cum, starts, u, b, s
 
 
 def _scan(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.Tensor,

@@ -243,6 +243,31 @@ class Reduction:
     def __repr__(self) -> str:
         return f"Reduction({self.axes!r}, {[(k, 'tensor' if k == 'project' else a) for k, a in self.steps]!r})"
 
+    def uses_head_norms(self, pads: Sequence[int] | None = None) -> bool:
+        """Whether the chain starts with a norm of `states` over `key_dim, value_dim` (and maybe `heads`), so
+        that its result follows from each head's squared state norm (`from_head_norms`), which the value layer
+        computes without the states (`deltarule.per_token_sq_norms`). Not where a later step over positions
+        would count a padded row's padding."""
+        if self.axes != (BATCH, POSITIONS, "heads", "key_dim", "value_dim") or not self.steps:
+            return False
+        kind, arg = self.steps[0]
+        if kind != "norm":
+            return False
+        over = set(arg) if arg is not None else {"heads", "key_dim", "value_dim"}
+        if over not in ({"key_dim", "value_dim"}, {"heads", "key_dim", "value_dim"}):
+            return False
+        return not any(pads or ()) or self.keeps_positions
+
+    def from_head_norms(self, sq: torch.Tensor) -> torch.Tensor:
+        """The result from `sq` `[b, s, heads]`, each head's squared state norm after every token."""
+        kind, arg = self.steps[0]
+        every = arg is None or "heads" in arg
+        axes: tuple[str, ...] = (BATCH, POSITIONS) if every else (BATCH, POSITIONS, "heads")
+        x = (sq.sum(-1) if every else sq).sqrt()
+        for kind, arg in self.steps[1:]:
+            x, axes = _apply(x, axes, kind, arg)
+        return x
+
     def stream(self, batch: int, length: int, pads: Sequence[int] | None = None) -> "ReductionStream":
         """An accumulator fed blocks of positions of a per-token value (`s` its second axis)."""
         return ReductionStream(self, batch, length, list(pads) if pads else [0] * batch)

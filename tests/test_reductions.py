@@ -203,3 +203,20 @@ def test_under_generate_a_decode_step_reduces_its_one_token() -> None:
     after = cache.get_recurrent_state(i).float()
     _close(r["m.step1"], after)
     _close(r["n.step1"], torch.linalg.vector_norm(after.flatten(1), dim=-1)[:, None])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_norms_without_the_states_equal_the_states_norms(family: str) -> None:
+    """`per_token_sq_norms` (what a norm over key_dim, value_dim is served from) against the chunked states,
+    from an initial state, at a length that is no multiple of the chunk: within float32 noise."""
+    fam = families.by_name(family)
+    b, s, h, dk, dv = 2, 101, 3, 32, 16
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(b, s, h, dk, generator=gen), torch.randn(b, s, h, dk, generator=gen)
+    v = torch.randn(b, s, h, dv, generator=gen)
+    g = -torch.rand(b, s, h, *([dk] if fam.per_channel_decay else []), generator=gen) * 0.2
+    beta, init = torch.rand(b, s, h, generator=gen), torch.randn(b, h, dk, dv, generator=gen)
+    _, every = deltarule.per_token(fam, q, k, v, g, beta, init, True)
+    sq = deltarule.per_token_sq_norms(fam, q, k, v, g, beta, init, True)
+    want = every.double().square().sum(dim=(-2, -1))
+    assert float(((sq.double() - want).abs() / want).max()) < 1e-5

@@ -3,8 +3,9 @@
 The user side (`DeltaNetEnvoy.states_reduced(reduction)`) registers a `measures.Reduction` on the site
 under a key and parks on `"{mixer path}.states_reduced.{key}"`. The kernel side (`serve_reduced`, called by
 `DeltaRuleCall.kernel` before `states` and its own segments, from the same inputs and initial state the `states`
-read sees) runs `deltarule.per_token_reduced` once for every reduction waiting on this call, each fed the
-states a group of chunks at a time, and serves each result; the kernel call itself is left as it is. A
+read sees) serves a norm over `key_dim, value_dim` (and `heads`) from each head's squared state norm
+(`deltarule.per_token_sq_norms`: no state per token at all), and runs `deltarule.per_token_reduced` once for
+the other reductions waiting on this call, each fed the states a group of chunks at a time; the kernel call itself is left as it is. A
 result that keeps positions is `[b, s, ...]` in the call's padded rows, cut past each invoke's padding on
 the user side, as `states` is; a mean or norm over positions leaves the padding out.
 """
@@ -44,9 +45,16 @@ def serve_reduced(call: Any, step: int, query: torch.Tensor, key: torch.Tensor, 
             return
         b, s = query.shape[:2]
         pending = _pending(call)
-        streams = {n: pending.pop(n.split(".", 1)[1]).stream(b, s, call.pads) for n in names}
-        deltarule.per_token_reduced(call.family, query, key, value, g, beta, initial, l2,
-                                    [st.add for st in streams.values()])
+        asked = {n: pending.pop(n.split(".", 1)[1]) for n in names}
+        fast = [n for n, red in asked.items() if red.uses_head_norms(call.pads)]
+        if fast:  # norms over key_dim, value_dim: from each head's squared norm, without the states
+            sq = deltarule.per_token_sq_norms(call.family, query, key, value, g, beta, initial, l2)
+            for n in fast:
+                call.serve(n, asked.pop(n).from_head_norms(sq), step)
+        streams = {n: red.stream(b, s, call.pads) for n, red in asked.items()}
+        if streams:
+            deltarule.per_token_reduced(call.family, query, key, value, g, beta, initial, l2,
+                                        [st.add for st in streams.values()])
         for n, st in streams.items():
             call.serve(n, st.result(), step)
 
