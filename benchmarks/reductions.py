@@ -6,8 +6,9 @@ Side by side in one run, on a random model with Qwen3.5-0.8B's shapes (18 DeltaN
   reduced  the compiled deltalang program `measure norm(L[linear].states)`: the state after every token of
            every DeltaNet block, reduced to its norm a group of chunks at a time (the full
            `[s, 16, 128, 128]` states, 1 GiB per 1,024 tokens per block, never exist)
-Each side runs in a subprocess of its own, alternating, so that its peak resident memory (VmHWM, reset
-after the model is built and warmed) is its own; times are medians over the repeats.
+Both sides run in one process on one model (built once: a random 0.8B model takes minutes to make on a
+shared CPU), alternating; before each run the process's high-water mark is reset (/proc/self/clear_refs),
+so each run's peak resident memory (VmHWM) is its own; times are medians over the repeats, wall and CPU.
 Targets: peak within 1.2x of plain, time within 1.3x.
 
     python benchmarks/reductions.py [--tokens 1024] [--repeat 2]
@@ -16,12 +17,12 @@ Targets: peak within 1.2x of plain, time within 1.3x.
 from __future__ import annotations
 
 import argparse
-import json
+import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -36,38 +37,20 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def side(which: str, tokens: int) -> dict[str, float]:
-    """One side in this process: build, warm up, reset the high-water mark, run once timed."""
-    import torch
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
-    from common import qwen35_08b_shaped, tokenizer_for
 
-    torch.set_grad_enabled(False)
-    hf = qwen35_08b_shaped()
-    ids = torch.randint(3, 248000, (1, tokens), generator=torch.Generator().manual_seed(1))
-    if which == "plain":
-        def run() -> object:
-            return hf(ids, logits_to_keep=1)
-    else:
-        from deltalang.model import wrap_model
-
-        model = wrap_model(hf, tokenizer_for(), "random Qwen3.5-0.8B-shaped")
-
-        def run() -> object:
-            return _run_ids(model, ids)
-    small = ids[:, :64]
-    (hf(small, logits_to_keep=1) if which == "plain" else _run_ids(model, small))  # warm: first-call costs
+def measured(fn: Callable[[], object]) -> dict[str, float]:
+    """One run of `fn`: wall and CPU seconds, the peak resident memory while it ran, the size before it."""
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here on
         f.write("5")
-    rest = _status("VmRSS")
-    t0 = time.perf_counter()
-    out = run()
-    seconds = time.perf_counter() - t0
-    peak = _status("VmHWM")
-    if which == "reduced":
-        norms = [v for k, v in out.items()]
-        assert len(norms) == 18 and all(tuple(v.shape) == (1, tokens) for v in norms), [v.shape for v in norms]
-    return {"seconds": seconds, "peak": peak, "rest": rest}
+    rest, c0, t0 = _status("VmRSS"), _cpu(), time.perf_counter()
+    out = fn()
+    seconds, cpu = time.perf_counter() - t0, _cpu() - c0
+    del out
+    return {"seconds": seconds, "cpu": cpu, "peak": _status("VmHWM"), "rest": rest}
 
 
 def _run_ids(model: object, ids: object) -> dict:
@@ -90,26 +73,35 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--side", choices=("plain", "reduced"))
     args = ap.parse_args()
-    if args.side:
-        print(json.dumps(side(args.side, args.tokens)))
-        return
-    got: dict[str, list[dict[str, float]]] = {"plain": [], "reduced": []}
-    for _ in range(args.repeat):
-        for which in got:
-            out = subprocess.run([sys.executable, __file__, "--side", which, "--tokens", str(args.tokens)],
-                                 capture_output=True, text=True, check=True)
-            got[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    from common import machine
+    import torch
 
-    print(f"{machine()}; {args.tokens} tokens, median of {args.repeat} (each side a fresh process)")
+    from common import machine, qwen35_08b_shaped, tokenizer_for
+    from deltalang.model import wrap_model
+
+    torch.set_grad_enabled(False)
+    hf = qwen35_08b_shaped()
+    model = wrap_model(hf, tokenizer_for(), "random Qwen3.5-0.8B-shaped")
+    ids = torch.randint(3, 248000, (1, args.tokens), generator=torch.Generator().manual_seed(1))
+    sides: dict[str, Callable[[], object]] = {"plain": lambda: hf(ids, logits_to_keep=1),
+                                              "reduced": lambda: _run_ids(model, ids)}
+    norms = _run_ids(model, ids[:, :64])  # warm both
+    hf(ids[:, :64], logits_to_keep=1)
+    assert len(norms) == 18
+    got: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
+    for _ in range(args.repeat):
+        for k, fn in sides.items():
+            got[k].append(measured(fn))
+            print(k, got[k][-1], flush=True)
+    print(f"{machine()}; {args.tokens} tokens, median of {args.repeat}, interleaved in one process")
     t = {k: statistics.median(r["seconds"] for r in v) for k, v in got.items()}
+    c = {k: statistics.median(r["cpu"] for r in v) for k, v in got.items()}
     p = {k: max(r["peak"] for r in v) for k, v in got.items()}
     above = {k: max(r["peak"] - r["rest"] for r in v) for k, v in got.items()}
     for k in got:
-        print(f"  {k:8} {t[k]:8.2f} s ({t[k] / t['plain']:.2f}x)   peak RSS {p[k] / 2**30:6.2f} GiB "
-              f"({p[k] / p['plain']:.2f}x), {above[k] / 2**20:7.0f} MiB above the model at rest")
+        print(f"  {k:8} {t[k]:8.2f} s ({t[k] / t['plain']:.2f}x), CPU {c[k]:8.2f} s ({c[k] / c['plain']:.2f}x)   "
+              f"peak RSS {p[k] / 2**30:6.2f} GiB ({p[k] / p['plain']:.2f}x), {above[k] / 2**20:6.0f} MiB above "
+              f"the size before the run ({above[k] / max(above['plain'], 1):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -217,13 +217,13 @@ def per_token_sq_norms(fam: families.Family, query: torch.Tensor, key: torch.Ten
     gu = u64 @ u64.transpose(-1, -2)  # [bh, n, C, C]
     if decay is not None:  # one decay per head
         d, k64, e1 = decay.double(), k.double(), e[..., 0]
-        first = e1.square() * S0.square().sum(dim=(-2, -1)).double()[..., None]
+        first = e1.square() * torch.linalg.vector_norm(S0, dim=(-2, -1)).double().square()[..., None]
         cross = 2 * e1 * (d @ ((k @ S0).double() * u64).sum(-1)[..., None])[..., 0]
         last = ((d @ ((k64 @ k64.transpose(-1, -2)) * gu)) * d).sum(-1)
     else:  # per key channel (Kimi): kd[t, j, a] = exp(G_t - G_j)[a] k_j[a]
         assert kd is not None
         kd64 = kd.double()
-        first = (e.square() @ S0.square().sum(-1).double()[..., None])[..., 0]
+        first = (e.square() @ torch.linalg.vector_norm(S0, dim=-1).double().square()[..., None])[..., 0]
         q = (u @ S0.transpose(-1, -2)).double()  # [bh, n, C(j), dk]
         cross = 2 * torch.einsum("xntja,xnja,xnta->xnt", kd64, q, e)
         last = torch.einsum("xntja,xntla,xnjl->xnt", kd64, kd64, gu)
