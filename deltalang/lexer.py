@@ -28,7 +28,7 @@ from . import values
 # the parser's keywords and measures (tests/test_lexer.py checks these against deltalang.parse)
 KEYWORDS = ("read", "write", "measure", "route", "step", "trace", "generate", "sweep", "prompt", "prompts",
             "dataset", "model", "on", "over", "in", "max_new_tokens", "as", "from", "at")
-MEASURES = ("prob", "logit_diff", "kl", "norm", "rank", "top")
+MEASURES = ("prob", "logit_diff", "kl", "norm", "rank", "top", "project")
 # what a write's source may call or name, and the kernels `route` picks
 SOURCES = ("mean", "zeros", "load")
 KERNELS = ("torch", "default")

@@ -111,10 +111,13 @@ def refuse_per_token(measures: Sequence[Any], where: str) -> None:
     where `where` (say, "over a dataset") needs one number a run."""
     for m in measures:
         red = getattr(m, "reduce", None)
-        if red is not None and [a for a, _ in red.shape] != [BATCH]:  # a reduction that leaves more than b
+        left = [a for a, _ in red.shape] if red is not None else None
+        by_token = per_token(m.kind, m.value, m.position) and (left is None or left[1:] == [POSITIONS])
+        if left is not None and left != [BATCH] and not by_token:
+            # a reduction that leaves more than b (norm(states): b and s, said below as a number per token)
             raise DeltaValueError(f"{m.written} is {red.shown()}; {where} each run needs one number: reduce "
                                   f"every axis but b", span=m.span)
-        if red is None and per_token(m.kind, m.value, m.position):
+        if by_token:
             site = f"L{m.layer}.states" if m.layer is not None else "states"
             raise DeltaValueError(
                 f"{m.written or 'norm(' + site + ')'} is one number per token; {where} each run needs one number: "

@@ -99,8 +99,10 @@ def test_run_out_saves_reads_that_share_storage(tmp_path: Path, reads: str) -> N
     # the saved values are the run's: the whole-sequence states hold the other one
     states = next(v for k, v in saved.items() if k.endswith(".states"))
     other = next(v for k, v in saved.items() if not k.endswith(".states"))
-    where = -1 if "state_output" in reads else 2
-    assert torch.equal(states[:, where], other)
+    if "state_output" in reads:  # the last state is the call's own final state
+        assert torch.equal(states[:, -1], other)
+    else:  # state_after(2) comes from the kernel over the prefix beside the call: the same state, not its bits
+        torch.testing.assert_close(states[:, 2], other, atol=1e-6, rtol=0)
     assert not list((tmp_path / "out").glob(".deltalang-*")), "a temporary directory was left behind"
 
 
