@@ -17,13 +17,12 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 import deltalang
 from deltalang import backends, families, info, kernels
 from deltalang.errors import DeltaError
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"
 FAKE = "deltalang_fake_kernels"
@@ -145,7 +144,7 @@ def test_cpu_calls_run_the_reference_and_compiled_mode_splits_the_implementation
     name, calls = faked
     path = tiny_checkpoint(name)
     model = deltalang.load_model(path)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = load_hf(path).eval()
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     layer = model.spec.linear_layers()[0]
     mix = model.layers[layer].linear_attn
