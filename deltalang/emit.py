@@ -370,5 +370,5 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.blank()
     w.add(0, 'if __name__ == "__main__":')
     w.add(1, "model = deltalang.load_model(MODEL)")
-    w.add(1, "print(deltalang.Results(experiment(model), model=model))")
+    w.add(1, "print(deltalang.Results(experiment(model), model=model).summary())")
     return Emitted("\n".join(w.lines) + "\n", w.map)

@@ -50,4 +50,4 @@ def experiment(model):
 
 if __name__ == "__main__":
     model = deltalang.load_model(MODEL)
-    print(deltalang.Results(experiment(model), model=model))
+    print(deltalang.Results(experiment(model), model=model).summary())
