@@ -13,17 +13,16 @@ reduction too: the value layer then serves one head, a group of chunks at a time
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
-from safetensors import SafetensorError, safe_open
 
 from .. import ast, measures, values
 from ..ir import Load, Reduce, ResolvedMeasure, ResolvedOp, measure_result_name, site_text
 from ..spec import text_config
 from .scope import Ctx, Scope, Target
 from .sites import targets
+from .sources import tensor_header
 
 ALIASES = {"positions": "s", "position": "s", "key": "key_dim", "value": "value_dim", "head": "heads",
            "batch": "b"}
@@ -128,21 +127,7 @@ def _sizes(scope: Scope, t: Target, ctx: Ctx) -> dict[str, int | None]:
 def direction(scope: Scope, src: ast.LoadSource, axes: list[str], sizes: dict[str, int | None]) -> Load:
     """A projection's direction: the file relative to the program's, its shape (from its header only) the
     axes it contracts (with or without a batch axis of 1)."""
-    if not src.path.endswith(".safetensors"):
-        scope.fail(f"load reads safetensors files only (no pickle, no code): {ast.quote(src.path)}", src.span)
-    base = Path(scope.filename).parent if not scope.filename.startswith("<") else Path.cwd()
-    path = Path(src.path) if Path(src.path).is_absolute() else base / src.path
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
-            key = src.key if src.key is not None else (keys[0] if len(keys) == 1 else None)
-            if key is None or key not in keys:
-                what = "names no tensor" if src.key is None else f"has no tensor {ast.quote(src.key)}"
-                scope.fail(f"{path} {what}: it holds {', '.join(map(ast.quote, keys)) or 'none'}; name one: "
-                           f"load({ast.quote(src.path)}, \"KEY\")", src.span)
-            shape = tuple(f.get_slice(key).get_shape())
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-        scope.fail(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", src.span)
+    path, key, shape = tensor_header(scope, src)
     want = tuple(sizes.get(a) for a in axes)
     if shape not in (want, (1, *want)) or not axes:
         shown = "[" + ", ".join(f"{a}={sizes.get(a)}" for a in axes) + "]"

@@ -79,9 +79,9 @@ def is_pending(src: Any) -> bool:
     return isinstance(src, NamedPending)
 
 
-def load(scope: Scope, src: ast.LoadSource, t: Target, ctx: Ctx) -> Load:
-    """`load("file.safetensors"[, "key"])`: the file relative to the program's, read by safetensors (its
-    header only, here); the tensor's shape is the value's, with or without the batch axis of 1."""
+def tensor_header(scope: Scope, src: ast.LoadSource) -> tuple[Path, str, tuple[int, ...]]:
+    """(the file, relative to the program's; the tensor's key; its shape) of `load("file.safetensors"[, "key"])`,
+    from the file's header only (safetensors: no pickle, no code), or a located error."""
     if not src.path.endswith(".safetensors"):
         scope.fail(f"load reads safetensors files only (no pickle, no code): {ast.quote(src.path)}; save it with "
                    f"safetensors.torch.save_file", src.span)
@@ -98,6 +98,13 @@ def load(scope: Scope, src: ast.LoadSource, t: Target, ctx: Ctx) -> Load:
             shape = tuple(f.get_slice(key).get_shape())
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # missing, unreadable, not safetensors
         scope.fail(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", src.span)
+    return path, key, shape
+
+
+def load(scope: Scope, src: ast.LoadSource, t: Target, ctx: Ctx) -> Load:
+    """`load("file.safetensors"[, "key"])` as a write's source: the tensor's shape is the value's, with or
+    without the batch axis of 1."""
+    path, key, shape = tensor_header(scope, src)
     want = value_shape(scope, t.value, len(ctx.toks))
     if want is not None and shape not in (want, (1, *want)):
         scope.fail(f"the shapes do not fit: {t.value} is {list(want)} (without the batch axis), "
