@@ -45,8 +45,8 @@ def test_dims_are_what_the_kernel_receives_in_transformers(family: str) -> None:
     hf = load_hf(path).eval()
     module = importlib.import_module(fam.module_name)
     seen: list[dict[str, tuple[int, ...]]] = []
-    bound = getattr(module, fam.chunk_kernel)
-    original = kernels.original(fam, fam.chunk_kernel)
+    original = kernels.original(fam, fam.chunk_kernel)  # installs deltalang's dispatchers first, so that
+    bound = getattr(module, fam.chunk_kernel)  # what is put back below is the dispatcher, not what it replaced
 
     def recorder(query, key, value, g, beta, *args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append({"q": tuple(query.shape), "v": tuple(value.shape), "g": tuple(g.shape)})
