@@ -189,17 +189,23 @@ def _enlarge_random_weights(model: torch.nn.Module) -> None:
 _BUILT: dict[str, Path] = {}
 
 
-def tiny_checkpoint(family: str) -> Path:
-    """A tiny checkpoint of `family`, built once per process in a temporary directory."""
+def built_once(name: str, build: Any, prefix: str = "deltalang-tiny-") -> Path:
+    """`build(name, path)`'s checkpoint, built once per process in a temporary directory removed at exit."""
     import atexit
     import shutil
     import tempfile
 
-    if family not in _BUILT:
-        root = Path(tempfile.mkdtemp(prefix="deltalang-tiny-"))
+    key = prefix + name
+    if key not in _BUILT:
+        root = Path(tempfile.mkdtemp(prefix=prefix))
         atexit.register(shutil.rmtree, root, True)
-        _BUILT[family] = build_tiny(family, root / family)
-    return _BUILT[family]
+        _BUILT[key] = build(name, root / name)
+    return _BUILT[key]
+
+
+def tiny_checkpoint(family: str) -> Path:
+    """A tiny checkpoint of `family`, built once per process in a temporary directory."""
+    return built_once(family, build_tiny)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,20 +130,9 @@ def _enlarge_random_weights(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 1.0)
 
 
-_BUILT: dict[str, Path] = {}
-
-
 def tiny_ssd_checkpoint(name: str) -> Path:
     """A tiny checkpoint of Mamba-2 family `name`, built once per process in a temporary directory."""
-    import atexit
-    import shutil
-    import tempfile
-
-    if name not in _BUILT:
-        root = Path(tempfile.mkdtemp(prefix="deltalang-ssd-"))
-        atexit.register(shutil.rmtree, root, True)
-        _BUILT[name] = build_tiny_ssd(name, root / name)
-    return _BUILT[name]
+    return testing.built_once(name, build_tiny_ssd, prefix="deltalang-ssd-")
 
 
 def ssd_mixers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
