@@ -116,13 +116,10 @@ def build_tiny_ssd(name: str, path: str | Path, seed: int = 0) -> Path:
 def _enlarge_random_weights(model: torch.nn.Module) -> None:
     """Scale the projections (random init is std 0.02) so that states and logits move visibly; spread
     the step sizes' bias and A over heads so that heads decay at different rates."""
+    testing._enlarge_random_weights(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.normal_(0.0, 1.0 / max(1.0, p.shape[1]) ** 0.5)
-            elif "embed" in name:
-                p.normal_(0.0, 1.0)
-            elif name.endswith("dt_bias"):
+            if name.endswith("dt_bias"):
                 p.uniform_(-3.0, 0.5)
             elif name.endswith("A_log"):
                 p.uniform_(-1.0, 1.5)
