@@ -37,6 +37,7 @@ from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_g
     prepare, run_group, slots_of
 from .collection import Collection
 from .compiled import Experiment
+from .dataset_generate import DatasetGeneration, generates, run_generate
 from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, warn
@@ -168,9 +169,10 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                 data: Mapping[str, Any] | None = None, strict: bool = False, batch: bool = True,
                 datasets: Mapping[str, Dataset] | None = None, out: str | Path | None = None, resume: bool = False,
                 console: Console | None = None, on_group: Callable[[list[int]], None] | None = None,
-                shard_bytes: int = SHARD_BYTES) -> DatasetResults | Collection:
+                shard_bytes: int = SHARD_BYTES) -> DatasetResults | DatasetGeneration | Collection:
     """Run `source` over its dataset on `model` (see the module doc); `datasets`: already `load_datasets`'.
-    A program that reads is a collection (`deltalang.collect`; `shard_bytes` a shard): its `Collection`.
+    A program that reads is a collection (`deltalang.collect`; `shard_bytes` a shard): its `Collection`; one
+    that generates gives each record's continuation and measures per step (`deltalang.dataset_generate`).
 
     `out`: save each group of records as it finishes and the final files there; `resume`: continue the
     run in `out` (the groups done are not rerun); `console`: show progress there; `on_group(indices)`:
@@ -184,6 +186,9 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
     refuse_per_record_vectors(resolutions, source, filename)
     skipped = left_out(ds, resolutions, strict)
+    if generates(resolutions):  # each record's continuation and measures per step (`deltalang.dataset_generate`)
+        return run_generate(program, ds, resolutions, skipped, source, model, filename=filename, batch=batch, out=out,
+                            resume=resume, console=console, on_group=on_group, merge=merge, stats=stats_of)
     if collects(resolutions):
         return run_collection(program, ds, resolutions, skipped, source, model, filename=filename, batch=batch,
                               out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes)

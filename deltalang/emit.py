@@ -280,6 +280,9 @@ def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tu
             how = f"do_sample=True, temperature={s.temperature or 1.0!r}, top_p={s.top_p or 1.0!r}, top_k=0"
             if s.seed is not None:
                 w.add(depth, f"torch.manual_seed({s.seed})", note="the seed: the same tokens on every run")
+        if len(p.runs) > 1:  # runs of one length (a generate over a dataset): an invoke each, rows in order
+            emit_shared_generate(w, p, depth, f"max_new_tokens={n}, min_new_tokens={n}, {how}", prompts, tokens)
+            return
         w.add(depth, f"with torch.no_grad(), model.generate({_prompt_ref(run, prompts)}, max_new_tokens={n}, "
                      f"min_new_tokens={n}, {how}) as tracer:")
         emit_run_body(w, run, depth + 1, tokens)
@@ -295,6 +298,25 @@ def emit_pass(w: _Writer, p: Pass, prompts: dict[str, str], tokens: dict[str, tu
             w.add(depth + 1, f"with tracer.invoke({_prompt_ref(run, prompts)}):",
                   note=run.name + (f" ({run.n_tokens} tokens, {pad} padding)" if p.padded else ""))
             emit_run_body(w, run, depth + 2, tokens, run.n_tokens if pad else None)
+
+
+def emit_shared_generate(w: _Writer, p: Pass, depth: int, options: str, prompts: dict[str, str],
+                         tokens: dict[str, tuple[str, ...]]) -> None:
+    """Generates of one prompt length sharing one `model.generate`: an invoke per run (its steps' ops), then
+    an empty invoke saving every row's tokens; run i's new tokens are row i past its prompt."""
+    w.add(depth, f"with torch.no_grad(), model.generate({options}) as tracer:")
+    for run in p.runs:
+        w.add(depth + 1, f"with tracer.invoke({_prompt_ref(run, prompts)}):", note=run.name)
+        emit_run_body(w, attrs.evolve(run, ops=tuple(op for op in run.ops if op.value != "tokens")), depth + 2,
+                      tokens)
+    key = f"{HIDDEN}pass{p.index}.tokens"
+    w.add(depth + 1, "with tracer.invoke():", note="every run's tokens, a row each")
+    w.add(depth + 2, f"results[{key!r}] = tracer.result.save()")
+    for i, run in enumerate(p.runs):
+        for op in run.ops:
+            if op.value == "tokens":
+                w.add(depth, f"results[{op.key!r}] = results[{key!r}][{i}:{i + 1}, {run.n_tokens}:]", op.span,
+                      f"{run.name}'s new tokens")
 
 
 def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None) -> Emitted:

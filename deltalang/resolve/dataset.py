@@ -17,8 +17,9 @@ this package); a record whose program does not resolve (its subject is not in
 its prompt, its answer is several tokens) is that record's problem.
 
 `check_over` checks what holds for every record, before any record is expanded:
-one dataset per program (runs on it are traces or sweeps; a trace's `read`s make
-the run a collection, `deltalang.collect`; a sweep's are refused), fields only inside runs on their dataset, every
+one dataset per program (runs on it are traces, generates or sweeps; a trace's `read`s make
+the run a collection, `deltalang.collect`; a sweep's and a generate's are refused, but a generate's
+`read tokens`: its continuation is kept anyway), fields only inside runs on their dataset, every
 field used present in some record (else an error naming the fields there are)
 and in every record (else an error naming the first record without it, by its
 data-file line). `measure_label` names a measure as written in the template
@@ -83,15 +84,18 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
         raise _fail("the program declares a dataset but no run is on it: trace NAME on DATASET { ... }", where)
     ds_name = on_dataset(runs[0], names)
     for run in runs:
-        if isinstance(run, ast.Generate):
-            raise _fail(f"a generate over a dataset is not supported yet: runs on '{run.prompt}' are traces or "
-                        f"sweeps", run.span)
         if on_dataset(run, names) != ds_name:
             raise _fail(f"runs over two datasets ('{ds_name}', '{run.prompt}'): a program runs over one", run.span)
         for st in run.body:
             if isinstance(run, ast.Sweep) and isinstance(st, ast.Read):  # a trace's reads: a collection
                 raise _fail("a sweep over a dataset keeps measures, one per record and cell: use 'measure' (e.g. "
                             "norm(SITE)), not 'read' (a trace on the dataset collects reads)", st.span)
+            read = st.body if isinstance(st, ast.Step) else st
+            if isinstance(run, ast.Generate) and isinstance(read, ast.Read) and \
+                    any(site.value != "tokens" for site in read.sites):  # its tokens are kept anyway
+                raise _fail("a generate over a dataset keeps each record's continuation and measures, one per "
+                            "step: use 'measure' (e.g. norm(SITE)), not 'read' (a trace on the dataset collects "
+                            "reads)", st.span)
             for top in (n for n in ast.walk(st) if isinstance(n, ast.Top)):
                 raise _fail(f"top({top.k}) gives tokens, not a number, and a run over a dataset averages numbers: "
                             f"measure prob(...) or rank(...) of a token", top.span)
