@@ -216,6 +216,10 @@ def emit_main(args: argparse.Namespace) -> int:
     """`deltalang emit FILE [--plan]`: the nnsight code a program compiles to, or its plan."""
     exp = _experiment(args)
     print(exp.format_plan() if args.plan else exp.code, end="")
+    if args.plan and exp.has_sweeps:  # which path each sweep's cells take
+        from .sweep.job import path_lines
+
+        print("\n".join(path_lines(exp.resolved)))
     return 0
 
 

@@ -457,6 +457,8 @@ def _bind_op(op: ResolvedOp, b: Mapping[str, int], run: str) -> ResolvedOp:
         name = op_result_name(run, op.step, layer, op.value, pos, op.alias, multi, head=head)
         if op.alias is not None:
             name = f"{run}.{name}"  # one result per point of the sweep
+        elif op.reduce is not None:
+            name += op.reduce.text  # `.norm(key_dim)`: as the trace names it
     written = op.written
     if op.layer_var is not None:
         written = written.replace(f"{op.layer_var}.", f"L{layer}.", 1)
@@ -471,6 +473,13 @@ def _bind_op(op: ResolvedOp, b: Mapping[str, int], run: str) -> ResolvedOp:
 def _bind_measure(m: ResolvedMeasure, b: Mapping[str, int], run: str) -> ResolvedMeasure:
     layer = b[m.layer_var] if m.layer_var is not None else m.layer
     pos = b[m.position_var] if m.position_var is not None else m.position
+    if m.reduce is not None:  # `SWEEP.norm(L{L}.state_after({t}), over=[...])`: its variables bound
+        call = m.result_name.split(".", 1)[1] if m.alias is None else m.written
+        for var, v in ((m.layer_var, layer), (m.position_var, pos)):
+            call = call if var is None else call.replace(f"{{{var}}}", str(v))
+        name = f"{run}.{call}" if m.alias is None else f"{run}.{m.result_name}"
+        return attrs.evolve(m, layer=layer, position=pos, result_name=name,
+                            written=call if m.alias is None else m.written, layer_var=None, position_var=None)
     site = site_text(layer, m.value or "", pos) if m.kind == "norm" else ""
     call = measure_call_text(m.kind, m.token_texts, m.against, site)
     multi = m.alias is not None and m.result_name != m.alias

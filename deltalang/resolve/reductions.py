@@ -30,8 +30,7 @@ ALIASES = {"positions": "s", "position": "s", "key": "key_dim", "value": "value_
 
 def wanted(site: ast.Site, ctx: Ctx) -> bool:
     """Whether a read of `site` is a reduction: one written, or one head of `states` (outside a sweep)."""
-    return bool(site.reduce) or (site.value == "states" and isinstance(site.head, ast.IntPos)
-                                 and ctx.kind != "sweep")
+    return bool(site.reduce) or (site.value == "states" and isinstance(site.head, ast.IntPos))
 
 
 def reduced_read(scope: Scope, op: ResolvedOp, site: ast.Site, t: Target, ctx: Ctx) -> ResolvedOp:
@@ -50,8 +49,7 @@ def wanted_measure(call: ast.MeasureCall, ctx: Ctx) -> bool:
         return True
     if not isinstance(call, ast.Norm):
         return False
-    return call.over is not None or bool(call.site.reduce) or (
-        ctx.kind != "sweep" and (call.site.value == "states" or call.site.head is not None))
+    return call.over is not None or bool(call.site.reduce) or call.site.value == "states" or call.site.head is not None
 
 
 def reduced_measures(scope: Scope, call: ast.Norm | ast.Project, alias: str | None,
@@ -68,20 +66,26 @@ def reduced_measures(scope: Scope, call: ast.Norm | ast.Project, alias: str | No
     out = []
     for t in targets(scope, call.site, ctx, writing=False):
         red = build(scope, call.site, t, ctx, [last])
-        shown = site_text(t.layer, t.value, t.position, t.layer_var, t.head) + "".join(
+        left = [a for a, _ in red.shape]
+        if ctx.kind == "sweep" and left not in (["b"], ["b", "s"]):
+            scope.fail(f"{kind}(...) leaves {red.shown()}, and a sweep's cell holds one number (or one per "
+                       f"token): reduce every axis but b (and s)", call.span)
+        pos: Any = t.position if t.position_var is None else f"{{{t.position_var}}}"  # a sweep's: bound per cell
+        shown = site_text(t.layer, t.value, pos, t.layer_var, t.head) + "".join(
             ast.format_reduce(r) for r in call.site.reduce)
         name = measure_result_name(ctx.name, t.step, f"{kind}({shown}{tail}", alias, t.layer, t.multi)
         out.append(ResolvedMeasure(kind, name, t.step, layer=t.layer, value=t.value, position=t.position,
-                                   written=f"{kind}({t.written}{tail}", alias=alias, span=call.span, reduce=red))
+                                   written=f"{kind}({t.written}{tail}", alias=alias, layer_var=t.layer_var,
+                                   position_var=t.position_var, span=call.span, reduce=red))
     return out
 
 
 def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast.Reduce]) -> Reduce:
     """The `ir.Reduce` of target `t`: its head (of `states`), the site's reductions, then `extra`."""
     chain = [*site.reduce, *extra]
-    if ctx.kind == "sweep":
-        scope.fail("a reduction runs in a trace or a generate; a sweep's cells take whole values (measure "
-                   "norm(SITE) of a whole value here)", (chain[0].span if chain else site.span))
+    if ctx.kind == "sweep" and t.head_var is not None:
+        scope.fail("a reduction of one head in a sweep takes a head number (.head(2)), not a variable over heads",
+                   (chain[0].span if chain else site.span))
     per_channel = bool(scope.spec.family.per_channel_decay)
     axes = values.axes(t.value, per_channel)
     if axes is None:

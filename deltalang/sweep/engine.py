@@ -14,16 +14,19 @@ so a resumed sweep computes every cell bit for bit as an uninterrupted one.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import safetensors.torch
 import torch
 
 from .. import measures
-from ..ir import FromRun, Mean, ResolvedMeasure, Scale, Zeros
+from ..ir import FromRun, Mean, Reduce, ResolvedMeasure, Scale, Zeros
 from ..kernels import routed
 from ..model import DeltaModel
 from ..compiled import Experiment
@@ -95,7 +98,7 @@ def _capture_reads(model: DeltaModel, job: SweepJob, groups: Mapping[int, Sequen
                     assert op.layer is not None
                     reads.setdefault(op.layer, set()).add((op.value, op.position))
     for m in job.run.measures:
-        if m.kind == "norm" and m.value == "state_output":
+        if m.kind in ("norm", "project") and m.value == "state_output":
             for cell in job.cells:
                 bound = cell.run.measures[job.run.measures.index(m)]
                 if bound.layer is not None:
@@ -208,6 +211,8 @@ def _fast_cell_rows(ctx: Context, job: SweepJob, row: Row, n: int, got: RowsOut,
     for m, bound in zip(job.run.measures, cell.run.measures, strict=True):
         if m.kind in measures.LOGIT_KINDS:
             value = _logit_measure(bound, logits, ctx.support, job.reference_keys)
+        elif bound.reduce is not None:  # a norm over axes or a projection of the same value, whole
+            value = float(reduction_of(bound.reduce)(_norm_input(bound, row, n, got, cap)[None]).reshape(()))
         else:
             value = float(measures.evaluate(bound.kind, _norm_input(bound, row, n, got, cap)[None]))
         label = measure_label(m)
@@ -218,6 +223,23 @@ def _fast_cell_rows(ctx: Context, job: SweepJob, row: Row, n: int, got: RowsOut,
         results[added_result_name(cell, r.measure)] = r.value
         out.append(r)
     return out
+
+
+def reduction_of(red: Reduce) -> measures.Reduction:
+    """The `measures.Reduction` of an `ir.Reduce`, its directions read from their files (once each)."""
+    return measures.Reduction(red.axes, [(k, _direction(a.path, a.key, *_stamp(a.path)) if k == "project" else a)
+                                         for k, a in red.steps])
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=16)
+def _direction(path: str, key: str, mtime_ns: int, size: int) -> torch.Tensor:
+    """A direction's tensor (the file's time and size in the key: a rewritten file is read again)."""
+    return safetensors.torch.load_file(path)[key]
 
 
 def _norm_input(m: ResolvedMeasure, row: Row, n: int, got: RowsOut, cap: Capture) -> torch.Tensor:

@@ -100,10 +100,24 @@ def fast_path_blocker(resolved: Resolved, run: ResolvedRun) -> str | None:
             return f"measure {m.written} is at a step"
         if m.kind == "kl" and runs.get(m.against or "") is not None and runs[m.against or ""].kind != "trace":
             return f"kl({m.against}) compares with a generate"
-        if m.kind == "norm" and not _norm_is_served(m, writes):
-            return (f"measure {m.written}: the engine serves norms of a written site or of a block's "
-                    f"state_output only")
+        if m.kind in ("norm", "project") and not _norm_is_served(m, writes):
+            return (f"measure {m.written}: the engine serves norms (and reductions) of a written site or of a "
+                    f"block's state_output only")
     return None
+
+
+def path_lines(resolved: Resolved) -> list[str]:
+    """What `emit --plan` says under the plan of each sweep: the engine serves its cells, or the reference path
+    (the passes printed) runs them, and why."""
+    out = []
+    for run in resolved.runs:
+        if run.kind == "sweep":
+            why = fast_path_blocker(resolved, run)
+            out.append(f"sweep {run.name}: " + (
+                "the sweep engine serves its cells (the passes above are their reference form)" if why is None
+                else f"the reference path runs its cells, as the passes above (several cells per forward): the "
+                     f"engine cannot serve it: {why}"))
+    return out
 
 
 def _norm_is_served(m: ResolvedMeasure, writes: Sequence[ResolvedOp]) -> bool:
