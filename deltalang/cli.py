@@ -214,7 +214,19 @@ def fmt_main(args: argparse.Namespace) -> int:
 
 def emit_main(args: argparse.Namespace) -> int:
     """`deltalang emit FILE [--plan]`: the nnsight code a program compiles to, or its plan."""
-    exp = _experiment(args)
+    source, filename = read_program(args)
+    if _over_dataset(source, filename):  # a generate over a dataset: its largest group of records' forwards
+        from .ast import ModelDecl
+        from .dataset_generate import describe
+        from .dataset_run import load_datasets, merge
+        from .parse import parse
+        from .spec import load_spec
+
+        model = args.model or next((i.name for i in parse(source, filename).items if isinstance(i, ModelDecl)), None)
+        print(describe(source, filename, load_spec(model, trust_remote_code=args.trust_remote_code),
+                       load_datasets(source, filename, None), merge, plan=args.plan), end="")
+        return 0
+    exp = _experiment(args, (source, filename))
     print(exp.format_plan() if args.plan else exp.code, end="")
     if args.plan and exp.has_sweeps:  # which path each sweep's cells take
         from .sweep.job import path_lines

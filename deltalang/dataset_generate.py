@@ -24,6 +24,7 @@ token_ids) and per measure and step the statistics of `dataset_run.stats_of`. `s
 `summary.json` and `program.dl`. With `out` each group of records is saved as it finishes
 (`dataset_store.RecordStore`) and `resume` continues a run (continuations rebuilt from `g.tokens`).
 
+`describe` is what `deltalang emit [--plan]` prints for it: the plan (or code) of its largest group.
 `dataset_run.run_dataset` calls `run_generate`, handing it its `merge` and `stats_of` (so that this
 module does not import it).
 """
@@ -33,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import attrs
 
@@ -44,12 +45,15 @@ from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_su
 from .datasets import Dataset
 from .emit import emit
 from .errors import DeltaError
+from .explain import format_plan
 from .ir import Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun
 from .model import DeltaModel
-from .plan import Plan, expand_measure_steps
-from .resolve import RecordResolution
+from .parse import parse
+from .plan import Plan, build_plan, expand_measure_steps
+from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import measure_label
 from .results import save_atomically
+from .spec import ModelSpec
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -208,6 +212,32 @@ def shared_generates(plan: Plan) -> Plan:
             at[key] = len(passes)
         passes.append(p)
     return attrs.evolve(plan, passes=tuple(attrs.evolve(p, index=i + 1) for i, p in enumerate(passes)))
+
+
+def describe(source: str, filename: str, spec: ModelSpec, datasets: Mapping[str, Dataset],
+             merge: Callable[[list[tuple[int, Resolved]]], Resolved], *, plan: bool) -> str:
+    """`deltalang emit [--plan]` of a generate over a dataset: the plan (or code) of its largest group of records
+    sharing forwards, after a line naming them; nothing is loaded but the model's config and tokenizer."""
+    ds, recs = resolve_records(parse(source, filename), datasets, spec, source=source, filename=filename)
+    if not generates(recs):
+        raise DeltaError("a program over a dataset resolves once per record: `deltalang check` shows a record's "
+                         "program, `deltalang emit` a generate's shared forwards; run it with `deltalang run`")
+    groups = generate_groups([attrs.evolve(r, resolved=with_tokens(r.resolved)) for r in recs
+                              if r.resolved is not None], True)
+    group = max(groups, key=len)
+    merged = merge([(r.record.index, r.resolved) for r in group if r.resolved is not None])
+    try:
+        shared = shared_generates(build_plan(merged))
+    except DeltaError as e:
+        raise e.located(source, filename) from None
+    numbers = [r.record.index + 1 for r in group]
+    which = f"{numbers[0]}-{numbers[-1]}" if numbers == list(range(numbers[0], numbers[-1] + 1)) and \
+        len(numbers) > 1 else ", ".join(map(str, numbers))
+    head = (f"# records {which} of {len(ds.records)} of '{ds.name}' share these forwards ({len(groups)} group"
+            f"{'s' if len(groups) != 1 else ''} in all; records of one prompt length share a generate)\n")
+    if plan:
+        return head + format_plan(shared)
+    return head + emit(shared, filename=filename, model_id=None if spec.model_id == NAME else spec.model_id).code
 
 
 class GroupExperiment(Experiment):

@@ -211,7 +211,7 @@ def test_check_and_emit_plan_describe_it(tmp_path: Path, capsys: pytest.CaptureF
     assert "generate g on facts (8 tokens), max_new_tokens 4" in got and "# 6 of 6 records resolve" in got
     assert main(["emit", "--plan", str(tmp_path / "g.dl")]) == 0
     plan = capsys.readouterr().out
-    assert "records 1-5 of 6 of 'facts' share these forwards (2 groups in all)" in plan
+    assert "records 1-5 of 6 of 'facts' share these forwards (2 groups in all;" in plan
     assert "one generate, 5 invoke(s)" in plan and "g#4 on" in plan
     assert main(["emit", str(tmp_path / "g.dl")]) == 0
     code = capsys.readouterr().out
