@@ -281,7 +281,8 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     print(out.summary())
     print(f"({time.perf_counter() - t0:.1f} s incl. model load)", file=sys.stderr)
     if args.out is not None:
-        files = FILES if not hasattr(out, "labels") else ("collection.json", "index.jsonl", "shard-*.safetensors")
+        files = out.files() if hasattr(out, "continuations") else FILES if not hasattr(out, "labels") else \
+            ("collection.json", "index.jsonl", "shard-*.safetensors")
         print(f"wrote {args.out}/: {', '.join(files)}", file=sys.stderr)
     return 0
 

@@ -117,7 +117,13 @@ class DatasetGeneration:
         """The rows as `results.csv` has them: long format, a row per record, measure and step."""
         import pandas as pd
 
-        return pd.DataFrame(list(self.rows), columns=self.columns)
+        df = pd.DataFrame(list(self.rows), columns=self.columns)
+        df["step"] = pd.to_numeric(df["step"].replace("", None))  # a trace's empty step: NaN, as read back
+        return df
+
+    def files(self) -> tuple[str, ...]:
+        """The files `save` writes."""
+        return FILES
 
     def __repr__(self) -> str:
         lines = self.summary().splitlines()

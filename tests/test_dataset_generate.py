@@ -216,3 +216,44 @@ def test_check_and_emit_plan_describe_it(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["emit", str(tmp_path / "g.dl")]) == 0
     code = capsys.readouterr().out
     assert code.count("with tracer.invoke(") == 6  # an invoke per record, then one for every row's tokens
+
+
+def test_python_side_a_trace_beside_a_generate(setup: Any, tmp_path: Path) -> None:
+    """`deltalang.run(..., data=...)` gives a DatasetGeneration; a trace's measure has no step (NaN read back);
+    `kl(G)` and `from G` between generates pair steps as in one prompt, record by record."""
+    model, _, records = setup
+    if model.spec.family.name != "qwen3_5" or "bundled" in model.spec.model_id:
+        pytest.skip("once is enough: the tiny qwen3_5")
+    src = """trace t on facts {
+    measure prob(facts.answer)
+}
+generate plain on facts max_new_tokens 3 {
+    read tokens
+}
+generate g on facts max_new_tokens 3 {
+    step 1: write L[linear].state_input = zeros
+    step 2: write L[linear].state_input from plain
+    measure kl(plain)
+    step 0: measure kl(t)
+}
+"""
+    out = deltalang.run(src, model, data={"facts": records}, out=tmp_path / "o")
+    assert isinstance(out, DatasetGeneration)
+    assert {c["run"] for c in out.continuations} == {"plain", "g"}
+    for i in range(len(records)):
+        alone = _alone(src, model, records, i)
+        mine = {(r["measure"], r["step"]): r["value"] for r in out.rows if r["record"] == i}
+        assert mine[("t.prob(facts.answer)", "")] == pytest.approx(float(alone[f't.prob("{records[i]["answer"]}")']),
+                                                                   abs=1e-5)
+        for k in range(3):
+            assert mine[("g.kl(plain)", k)] == pytest.approx(float(alone[f"g.step{k}.kl(plain)"]), abs=1e-5)
+        assert mine[("g.kl(t)", 0)] == pytest.approx(0.0, abs=1e-5)  # step 0 predicts what the trace does
+        assert [c["token_ids"] for c in out.continuations if c["record"] == i and c["run"] == "plain"] == \
+            [alone["plain.tokens"][0].tolist()]
+    assert out.values("g.kl(plain)", 0) == pytest.approx([0.0] * len(records), abs=1e-5)  # nothing written yet
+    assert max(out.values("g.kl(plain)", 1)) > 1e-3  # the zeroed state moved the distribution
+    df, back = out.to_pandas(), deltalang.load_results(tmp_path / "o").to_pandas()
+    assert list(df.columns) == list(back.columns)
+    assert df["step"].isna().tolist() == back["step"].isna().tolist() and df["step"].isna().any()
+    assert df["value"].tolist() == back["value"].tolist()
+    assert "g.kl(plain)" in repr(out) and len(repr(out).splitlines()) <= 12
