@@ -30,6 +30,8 @@ import attrs
 # layer types whose blocks hold a recurrent mixer (a `linear_attention` block of a family that is not a
 # delta rule, granitemoehybrid's Mamba-2, is never analysed as one: its module calls no delta-rule kernel)
 LINEAR_LAYER_TYPES = ("linear_attention",)
+# the kinds of recurrent block, by mechanism (`Mechanism.block_kind`; `values.DELTANET`, `values.SSM`)
+DELTANET_KIND, SSM_KIND = "deltanet", "ssm"
 
 
 def _gdn_dims(config: Any) -> dict[str, int]:
@@ -45,6 +47,34 @@ def _kda_dims(config: Any) -> dict[str, int]:
             "conv_width": config.linear_conv_kernel_dim, "conv_dim": 3 * heads * d}
 
 
+def _field(config: Any, *names: str) -> int:
+    """The first of `names` the config has (the Mamba-2 families name one dim differently)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    err = AttributeError(names[0])
+    err.name = " | ".join(names)
+    raise err
+
+
+def _mamba2_dims(config: Any) -> dict[str, int]:
+    """A Mamba-2 mixer's dims: heads of `head_dim` x `d_state` states in `groups` groups of B and C (state
+    `[heads, head_dim, d_state]`, so `key_dim` = head_dim, `value_dim` = d_state for the shape-generic code)."""
+    heads = _field(config, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads", "num_heads")
+    d_state = _field(config, "mamba_d_state", "ssm_state_size", "state_size")
+    groups = _field(config, "mamba_n_groups", "n_groups", "mamba_ngroups")
+    width = _field(config, "mamba_d_conv", "conv_kernel")
+    try:
+        head_dim = _field(config, "mamba_d_head", "mamba_head_dim", "mamba_headdim", "head_dim")
+    except AttributeError:  # zamba2: the inner width split over the heads
+        head_dim = int(config.mamba_expand * config.hidden_size) // heads
+    inner = heads * head_dim
+    return {"heads": heads, "key_heads": heads, "key_dim": head_dim, "value_dim": d_state, "head_dim": head_dim,
+            "d_state": d_state, "groups": groups, "inner": inner, "conv_width": width,
+            "conv_dim": inner + 2 * groups * d_state}
+
+
 @attrs.frozen
 class Mechanism:
     """A kind of recurrent mixer: the hub-kernel names transformers wraps its kernels under."""
@@ -54,11 +84,17 @@ class Mechanism:
     recurrent_hub: str  # the one-token decode kernel's hub name
     per_channel_decay: bool  # decay per key channel `[b, s, h, dk]` (else per head `[b, s, h]`)
     dims: Callable[[Any], dict[str, int]]  # heads, key_heads, key_dim, value_dim, conv_width, conv_dim
+    block_kind: str = DELTANET_KIND  # the kind of block its mixer makes (a selector's `L[linear]`, `L[ssm]`)
+    layer_types: tuple[str, ...] = LINEAR_LAYER_TYPES  # the config's layer types of blocks holding its mixer
 
 
 MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism("gated_delta_rule", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", False, _gdn_dims),
     Mechanism("kda", "chunk_kda", "fused_recurrent_kda", True, _kda_dims),
+    # Mamba-2 (SSD): every family's blocks are `linear_attention` (granitemoehybrid, bamba, nemotron_h) or
+    # `hybrid` (falcon_h1: Mamba-2 beside attention in every block; zamba2); never a delta rule
+    Mechanism("mamba2", "mamba_chunk_scan_combined", "selective_state_update", False, _mamba2_dims, SSM_KIND,
+              ("linear_attention", "hybrid", "mamba")),
 )
 CONV_HUB, CONV_UPDATE_HUB = "causal_conv1d_fn", "causal_conv1d_update"
 
@@ -69,11 +105,13 @@ class Adapter:
 
     dims: dict[str, str] = attrs.field(factory=dict)  # dim name -> the config field holding it, where it differs
     streams: str | None = None  # config field: residual streams a block's output carries side by side, flattened
+    mixer_attr: str | None = None  # the block attribute holding the mixer, where `__init__` builds it indirectly
 
 
 # Every dim of the nine families of transformers 5.24 is read from the mechanism's fields; qwen4_exp's blocks
-# carry `hc_count` residual streams flattened into one `[b, s, hc_count * hidden]` tensor.
-ADAPTERS: dict[str, Adapter] = {"qwen4_exp": Adapter(streams="hc_count")}
+# carry `hc_count` residual streams flattened into one `[b, s, hc_count * hidden]` tensor; nemotron_h's block
+# builds its mixer as `self.mixer = MIXER_TYPES[block_type](...)`, which names no class.
+ADAPTERS: dict[str, Adapter] = {"qwen4_exp": Adapter(streams="hc_count"), "nemotron_h": Adapter(mixer_attr="mixer")}
 
 
 @attrs.frozen
@@ -97,6 +135,15 @@ class Family:
         return mechanism(self.mechanism).per_channel_decay
 
     @property
+    def block_kind(self) -> str:
+        """The kind of block its mixer makes: `deltanet` (a delta rule, KDA) or `ssm` (Mamba-2)."""
+        return mechanism(self.mechanism).block_kind
+
+    def layer_kind(self, layer_type: str) -> str | None:
+        """The recurrent kind of a block of `layer_type` (`block_kind`), None for one without the mixer."""
+        return self.block_kind if layer_type in mechanism(self.mechanism).layer_types else None
+
+    @property
     def module(self) -> ModuleType:
         """The transformers modeling module (imported on first use)."""
         return importlib.import_module(self.module_name)
@@ -106,8 +153,9 @@ class Family:
         return getattr(self.module, self.mixer_class)
 
     def is_linear_layer(self, config: Any, index: int) -> bool:
+        """Whether block `index` holds this family's recurrent mixer (a delta rule's, or a Mamba-2 one)."""
         kinds = getattr(config, "layer_types", None) or []
-        return index < len(kinds) and kinds[index] in LINEAR_LAYER_TYPES
+        return index < len(kinds) and self.layer_kind(kinds[index]) is not None
 
     def dims(self, config: Any) -> dict[str, int]:
         """Value heads, key_dim, value_dim, key heads and conv width of the mixer, from the config."""
@@ -255,6 +303,9 @@ def analyse(path: str | Path, module_name: str, name: str | None = None,
     if mixer is None:
         raise UnservedFamily(f"{name}: no class of {path.name} calls {chunk} in its forward")
     held = _mixer_attr(tree, mixer)
+    adapter = ADAPTERS.get(name, Adapter())
+    if held is None and adapter.mixer_attr is not None:
+        held = (adapter.mixer_attr, "tensor")
     if held is None:
         raise UnservedFamily(f"{name}: no block of {path.name} holds a {mixer} as an attribute")
     attr, block_output = held

@@ -120,14 +120,18 @@ def format_info(spec: ModelSpec) -> str:
 
     prompt, decode = kernel_names(spec)
     d = spec.dims
-    head = Table(title=f"{spec.model_id}  ({spec.family.name}, {spec.num_layers} blocks, "
-                       f"{len(spec.linear_layers())} DeltaNet)", show_lines=False)
+    ssm = spec.family.block_kind == values.SSM
+    count = f"{len(spec.ssm_layers())} Mamba-2" if ssm else f"{len(spec.linear_layers())} DeltaNet"
+    head = Table(title=f"{spec.model_id}  ({spec.family.name}, {spec.num_layers} blocks, {count})"
+                       + ("; a Mamba-2 state is [heads, head_dim, d_state]: key_dim = head_dim, value_dim = d_state"
+                          if ssm else ""), show_lines=False)
     for col in ("block", "kind", "family", "heads", "key_dim", "value_dim", "conv", "prompt kernel",
                 "decode kernel"):
         head.add_column(col)
     for i in range(spec.num_layers):
-        if spec.kind(i) == values.DELTANET:
-            head.add_row(f"L{i}", "DeltaNet", spec.family.name, str(d["heads"]), str(d["key_dim"]),
+        if spec.kind(i) in values.RECURRENT:
+            kind = "Mamba-2" if spec.kind(i) == values.SSM else "DeltaNet"
+            head.add_row(f"L{i}", kind, spec.family.name, str(d["heads"]), str(d["key_dim"]),
                          str(d["value_dim"]), str(d["conv_width"]), prompt, decode)
         else:
             head.add_row(f"L{i}", "attention", spec.family.name, "", "", "", "", "", "")
@@ -155,7 +159,7 @@ def format_info(spec: ModelSpec) -> str:
         console.print("model values: " + ", ".join(values.MODEL_VALUES))
         for line in kernel_notes(spec):
             console.print(f"kernels: {line}", soft_wrap=True)
-        if spec.linear_layers():
+        if spec.recurrent_layers():
             console.print("served by (CUDA tensors go to a compiled kernel where one is installed, "
                           "others to the torch reference):")
             for name, v in values.CATALOGUE.items():

@@ -262,6 +262,9 @@ def _routable(family: Any, route: str) -> families.Family:
     if route not in ROUTES:
         raise DeltaValueError(f"unknown route {route!r}; one of {', '.join(ROUTES)}")
     fam = families.resolve(family)
+    if route == "torch" and fam.block_kind == families.SSM_KIND:
+        raise DeltaValueError(f"route torch is the delta rule's token-by-token kernel; {fam.name}'s Mamba-2 "
+                              f"scan runs transformers' own torch scan on a CPU already")
     install(fam)
     return fam
 

@@ -35,7 +35,7 @@ KEYWORDS = frozenset(STATEMENTS + ("on", "over", "in", "max_new_tokens", "as", "
 MEASURES = ("prob", "logit_diff", "kl", "norm", "rank", "top", "project")
 REDUCTIONS = ("head", "norm", "mean", "project")  # `SITE.norm(...)` etc.: reductions after a site
 KERNELS = ("torch", "default")
-BLOCK_KINDS = ("linear", "attention")
+BLOCK_KINDS = ("linear", "ssm", "attention")  # delta-rule, Mamba-2 and attention blocks
 
 
 # ---- the Lark parser -------------------------------------------------------
@@ -980,10 +980,10 @@ class _Builder:
         kind = str(tree.children[0])
         if kind not in BLOCK_KINDS:
             aliases = {"deltanet": "linear", "linear_attention": "linear", "full_attention": "attention",
-                       "attn": "attention", "delta": "linear"}
+                       "attn": "attention", "delta": "linear", "mamba": "ssm", "mamba2": "ssm"}
             guess = aliases.get(kind) or next(iter(difflib.get_close_matches(kind, BLOCK_KINDS, n=1)), None)
             hint = f"; did you mean L[{guess}]?" if guess else ""
-            self.fail(f"unknown kind of block '{kind}': L[linear] (DeltaNet blocks) or L[attention]{hint}", sp)
+            self.fail(f"unknown kind of block '{kind}': L[linear] (DeltaNet blocks), L[ssm] (Mamba-2) or L[attention]{hint}", sp)
         return ast.SelKind(kind, span=sp)
 
 

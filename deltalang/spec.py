@@ -33,14 +33,29 @@ class ModelSpec:
         return len(self.layer_types)
 
     def kind(self, layer: int) -> str:
-        """`deltanet` or `attention`."""
-        return values.DELTANET if self.layer_types[layer] in families.LINEAR_LAYER_TYPES else values.ATTENTION
+        """`deltanet` (a delta-rule mixer), `ssm` (a Mamba-2 one: the family's mechanism says which; a
+        granitemoehybrid `linear_attention` block is Mamba-2) or `attention` (no recurrent mixer)."""
+        return self.family.layer_kind(self.layer_types[layer]) or values.ATTENTION
 
     def linear_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if self.kind(i) == values.DELTANET]
+        """The delta-rule blocks (`L[linear]`): never a Mamba-2 block, whatever its config calls it."""
+        return self.layers_of(values.DELTANET)
+
+    def ssm_layers(self) -> list[int]:
+        """The Mamba-2 blocks (`L[ssm]`)."""
+        return self.layers_of(values.SSM)
+
+    def recurrent_layers(self) -> list[int]:
+        """The blocks with a recurrent mixer deltalang serves (delta rule or Mamba-2)."""
+        return [i for i in range(self.num_layers) if self.kind(i) in values.RECURRENT]
 
     def attention_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if self.kind(i) == values.ATTENTION]
+        return self.layers_of(values.ATTENTION)
+
+    def layers_of(self, kind: str) -> list[int]:
+        """The blocks of a selector's kind: `linear` (or `deltanet`), `ssm`, `attention`."""
+        kind = values.DELTANET if kind == "linear" else kind
+        return [i for i in range(self.num_layers) if self.kind(i) == kind]
 
     def unavailable(self, layer: int, value: str) -> str | None:
         """Why `value` does not exist on block `layer`, or None if it does."""
@@ -51,7 +66,13 @@ class ModelSpec:
             return f"no block L{layer}: the model has {self.num_layers} blocks (L0..L{self.num_layers - 1})"
         kind = self.kind(layer)
         if kind not in v.kinds:
-            return f"no DeltaNet mixer on this block ({self.layer_types[layer]})"
+            if kind == values.SSM:
+                return f"not a value of a Mamba-2 block ({self.layer_types[layer]}: a Mamba-2 mixer)"
+            if kind == values.DELTANET:
+                return f"a value of Mamba-2 blocks only, not of a DeltaNet block ({self.layer_types[layer]})"
+            ssm = values.DELTANET not in v.kinds or self.family.block_kind == values.SSM
+            mixer = "Mamba-2" if ssm and values.SSM in v.kinds else "DeltaNet"
+            return f"no {mixer} mixer on this block ({self.layer_types[layer]})"
         if value == "output" and self.family.block_output != "tensor":
             return (f"{self.family.name}'s blocks return a {self.family.block_output} (the residual streams and "
                     f"more), not one tensor: read attention_output, or a later block's input")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import attrs
 
 DELTANET = "deltanet"
+SSM = "ssm"  # a Mamba-2 (SSD) block: `L[ssm]`
 ATTENTION = "attention"
+RECURRENT = (DELTANET, SSM)
 
 
 @attrs.frozen
@@ -30,6 +32,7 @@ class Value:
     kernel: bool = True  # served at the DeltaNet kernel (needs the pure-torch kernel)
     per_token: bool = False  # has a sequence axis
     write_doc: str = ""  # a positional value's write: the docstring of the envoy's `set_<name>(t, value)`
+    ssm_shape: str = ""  # its shape on a Mamba-2 block, where a DeltaNet one's differs (`shape_on`)
 
 
 # `order` follows the mixer's forward: the convolution runs before the kernel,
@@ -40,8 +43,8 @@ CATALOGUE: dict[str, Value] = {
     v.name: v
     for v in (
         Value("conv_window_after", "[b, conv_dim, width-1]",
-              "The short-convolution inputs tokens after t still see: [b, conv_dim, width-1].", writable=True,
-              positional=True, order=10,
+              "The short-convolution inputs tokens after t still see: [b, conv_dim, width-1] (Mamba-2: x|B|C "
+              "channels, before the convolution).", kinds=(DELTANET, SSM), writable=True, positional=True, order=10,
               write_doc="Replace what tokens after t see of the tokens up to t through the convolution."),
         Value("attention_queries", "[b, s, heads, key_dim]",
               "Queries the delta rule receives, before l2-norm and 1/sqrt(key_dim): [b, s, heads, key_dim].",
@@ -58,25 +61,48 @@ CATALOGUE: dict[str, Value] = {
         # in (0,1); (0,2) on OLMo-Hybrid
         Value("betas", "[b, s, heads]", "Write strength of each token: [b, s, heads].", writable=True,
               order=24, per_token=True),
+        # the Mamba-2 scan's inputs (`deltalang.ssd`): h_t = exp(A dt_t) h_{t-1} + (dt_t x_t) ⊗ B_t, y_t = h_t C_t + D x_t
+        Value("output_matrices", "[b, s, groups, d_state]",
+              "C: what each token reads the state with, after the convolution and SiLU (head j of group "
+              "j // (heads / groups)): [b, s, groups, d_state].", kinds=(SSM,), writable=True, order=25, per_token=True),
+        Value("input_matrices", "[b, s, groups, d_state]",
+              "B: the d_state columns each token writes its scaled inputs to, after the convolution and SiLU: "
+              "[b, s, groups, d_state].", kinds=(SSM,), writable=True, order=26, per_token=True),
+        Value("scan_inputs", "[b, s, heads, head_dim]",
+              "x: what each token writes into each head's state (times its step size), after the convolution "
+              "and SiLU: [b, s, heads, head_dim].", kinds=(SSM,), writable=True, order=27, per_token=True),
+        Value("step_sizes", "[b, s, heads]",
+              "dt: each token's step size, after dt_bias, softplus and the clamp to the time-step limit (> 0; "
+              "its log decay is A * dt): [b, s, heads].", kinds=(SSM,), writable=True, order=28, per_token=True),
+        Value("decay_rates", "[heads]",
+              "A = -exp(A_log) < 0, each head's decay rate (the same at every token): [heads].", kinds=(SSM,),
+              writable=True, order=29),
         Value("state_input", "[b, heads, key_dim, value_dim] or None",
               "The state the call starts from: None on a fresh prompt, a copy of the cached state on a decode "
-              "step.", writable=True, order=30),
+              "step.", kinds=(DELTANET, SSM), writable=True, order=30,
+              ssm_shape="[b, heads, head_dim, d_state] or None"),
         Value("states", "[b, s, heads, key_dim, value_dim]",
-              "The state after every token of the call: [b, s, heads, key_dim, value_dim] (read-only).",
-              order=40, per_token=True),
+              "The state after every token of the call: [b, s, heads, key_dim, value_dim] (Mamba-2: [b, s, heads, "
+              "head_dim, d_state]; read-only).", kinds=(DELTANET, SSM), order=40, per_token=True,
+              ssm_shape="[b, s, heads, head_dim, d_state]"),
         Value("state_after", "[b, heads, key_dim, value_dim]",
               "The state after token t of the call (t may be negative): [b, heads, key_dim, value_dim].",
-              writable=True, positional=True, order=50,
-              write_doc="Replace the state after token t: token t's output reads it, tokens t+1.. continue from it."),
+              kinds=(DELTANET, SSM), writable=True, positional=True, order=50,
+              write_doc="Replace the state after token t: token t's output reads it, tokens t+1.. continue from it.",
+              ssm_shape="[b, heads, head_dim, d_state]"),
         Value("attention_head_outputs", "[b, s, heads, value_dim]",
               "Each head's read of the state, before the gated norm and output projection: [b, s, heads, value_dim].",
               writable=True, order=55, per_token=True),
+        Value("head_outputs", "[b, s, heads, head_dim]",
+              "Each head's read of the state, D * x included, before the gated norm and output projection: "
+              "[b, s, heads, head_dim].", kinds=(SSM,), writable=True, order=55, per_token=True),
         Value("state_output", "[b, heads, key_dim, value_dim]",
-              "The state after the call's last token: [b, heads, key_dim, value_dim].", writable=True, order=60),
+              "The state after the call's last token: [b, heads, key_dim, value_dim].", kinds=(DELTANET, SSM),
+              writable=True, order=60, ssm_shape="[b, heads, head_dim, d_state]"),
         Value("attention_output", "[b, s, hidden]", "What the mixer adds to the residual stream: [b, s, hidden].",
-              writable=True, order=80, kernel=False, per_token=True),
+              kinds=(DELTANET, SSM), writable=True, order=80, kernel=False, per_token=True),
         Value("output", "[b, s, hidden]", "The block's output, the residual stream after it: [b, s, hidden].",
-              kinds=(DELTANET, ATTENTION), writable=True, order=90, kernel=False, per_token=True),
+              kinds=(DELTANET, SSM, ATTENTION), writable=True, order=90, kernel=False, per_token=True),
     )
 }
 
@@ -90,6 +116,12 @@ MODEL_VALUES: dict[str, str] = {
 # `state` is the recipes' per-token spelling of state_after under tracer.iter;
 # it is part of the Python API, not the language.
 PYTHON_ONLY = ("state",)
+
+
+def shape_on(name: str, kind: str) -> str:
+    """A value's shape on a block of `kind` (`deltanet`, `ssm`, `attention`), as the catalogue writes it."""
+    v = CATALOGUE[name]
+    return v.ssm_shape if kind == SSM and v.ssm_shape else v.shape
 
 
 def names() -> list[str]:

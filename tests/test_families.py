@@ -71,15 +71,17 @@ def test_dims_are_what_the_kernel_receives_in_transformers(family: str) -> None:
         assert mixer.conv1d.weight.shape[0] == d["conv_dim"] and mixer.conv1d.weight.shape[-1] == d["conv_width"]
 
 
-def test_a_mamba2_hybrid_is_not_taken_for_a_delta_rule(tmp_path: Path) -> None:
-    """granitemoehybrid names its Mamba-2 layers `linear_attention`: refused in one line, not served wrong."""
+def test_a_mamba2_hybrid_is_not_taken_for_a_delta_rule() -> None:
+    """granitemoehybrid names its Mamba-2 layers `linear_attention`: they are Mamba-2 (`ssm`) blocks, never DeltaNet."""
     from transformers import GraniteMoeHybridConfig
 
-    GraniteMoeHybridConfig(num_hidden_layers=2, hidden_size=64, mamba_n_heads=8).save_pretrained(
-        tmp_path)
-    with pytest.raises(DeltaModelError, match="not a supported hybrid") as err:
-        deltalang.load_spec(tmp_path)
-    assert "\n" not in str(err.value)
+    from deltalang.spec import spec_from_config
+
+    config = GraniteMoeHybridConfig(num_hidden_layers=2, hidden_size=64, mamba_n_heads=8,
+                                    layer_types=["linear_attention", "full_attention"])
+    spec = spec_from_config("g", config, None)
+    assert spec.family.mechanism == "mamba2" and spec.linear_layers() == [] and spec.ssm_layers() == [0]
+    assert spec.unavailable(0, "attention_keys") is not None and spec.unavailable(0, "states") is None
 
 
 def _copy_family(tmp_path: Path, source: str, new: str, drop: str | None = None) -> str:

@@ -67,6 +67,8 @@ def test_linear_and_attention_layers_come_from_the_spec(spec: Any) -> None:
 def test_every_catalogue_value_resolves_where_it_exists(spec: Any) -> None:
     lines = []
     for name, v in values.CATALOGUE.items():
+        if all(spec.unavailable(i, name) is not None for i in range(spec.num_layers)):
+            continue  # a Mamba-2 value on this DeltaNet model: `L*` of it is an error
         lines.append(f"read L*.{name}" + ("(3)" if v.positional else ""))
     r = run_ok(spec, "\n".join(lines), prompt=CLEAN)
     got = {(op.layer, op.value) for op in r.run("main").ops}

@@ -59,6 +59,7 @@ def _errors(text: str, **kw: Any) -> list[DeltaError]:
 # ---- (a) writes that nothing reads -------------------------------------------------------------------
 
 WRITES = [f"{v}{p}" for v, info in values.CATALOGUE.items() if info.writable and v != "state_input"
+          and values.DELTANET in info.kinds
           for p in (("(-1)", "(-2)", "(0)") if info.positional else ("",))]
 
 

@@ -268,7 +268,7 @@ def bracket(scope: Scope, sel: ast.BlockList, n: int, blocks_note: str) -> list[
                            item.span)
             chosen.update(got)
         else:
-            got = scope.spec.linear_layers() if item.kind == "linear" else scope.spec.attention_layers()
+            got = scope.spec.layers_of(item.kind)
             if not got:
                 scope.fail(f"the model has no {item.kind} blocks", item.span)
             chosen.update(got)
