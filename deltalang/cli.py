@@ -173,7 +173,8 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     ds, recs = resolve_records(program, load_datasets(text, filename, None), spec, source=text, filename=filename)
     first = next(r for r in recs if r.resolved is not None)
     try:  # a record's row is one number a measure
-        refuse_per_token([m for run in first.resolved.runs for m in run.measures], "over a dataset")
+        refuse_per_token([m for run in first.resolved.runs if run.kind != "sweep" for m in run.measures],
+                         "over a dataset")  # a sweep's per-token measures: a row per aligned position
     except DeltaError as e:
         raise e.located(text, filename) from None
     print(f"# record {first.record.index + 1} of '{ds.name}' ({ds.where(first.record)}), as its plain program:")
@@ -302,7 +303,7 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
                             engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err,
                             method="attribution" if getattr(args, "attribution", False) else None,
                             steps=getattr(args, "steps", None), refine=getattr(args, "refine", None),
-                            path=getattr(args, "path", None))
+                            path=getattr(args, "path", None), align=getattr(args, "align", None))
     print(out.summary())
     if args.out is not None:
         err.print(f"wrote {args.out}/: {', '.join(FILES)} and a heatmap per sweep and measure", highlight=False)
@@ -419,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--normalise", default=None, metavar="clean=RUN,corrupted=RUN",
                            help="add (patched - corrupted) / (clean - corrupted) of each logit measure")
             p.add_argument("--naive", action="store_true", help="run every cell as a full forward (the reference)")
+        if name in ("run", "sweep"):
+            p.add_argument("--align", default=None, metavar="FIELD",
+                           help="a sweep over a dataset: count a per-token measure's positions from this field's "
+                                "token (facts.subject, facts.subject[0]; default -1: each record's end)")
             p.add_argument("--attribution", action="store_true", help="estimate every cell from gradients")
             p.add_argument("--steps", type=int, default=None, help="attribution: points of the path (0: plain)")
             p.add_argument("--refine", type=int, default=None, help="attribution: run the top K cells exactly")

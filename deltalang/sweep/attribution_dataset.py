@@ -156,6 +156,21 @@ class DatasetAttribution:
     def columns(self) -> list[str]:
         return ["record", "line", *self.dataset.fields, "sweep", *self.variables, "measure", "variant", "value"]
 
+    def __repr__(self) -> str:
+        n = len(self.dataset.records)
+        axes = " x ".join(f"{v}: {len(labs)}" for v, labs in self.axes)
+        return (f"<DatasetAttribution: sweep {self.sweep} ({axes}) over {n - len(self.skipped)} of {n} records of "
+                f"'{self.dataset.name}'; variants {', '.join(self.variants)} (default {self.default}), "
+                f"{len(self.refined())} cell(s) refined exactly; {len(self.rows)} rows; .summary(), .table(), "
+                f".to_pandas(), .save(DIR)>")
+
+    def to_pandas(self) -> Any:
+        """The rows in long format, as results.csv has them (its columns: a row per record, cell, measure, variant)."""
+        import pandas as pd
+
+        cols = self.columns()
+        return pd.DataFrame([{k: r.get(k, "") for k in cols} for r in self.rows], columns=cols)
+
     def save(self, directory: str | Path) -> Path:
         """Write `FILES` and a heatmap per measure into `directory`, each replacing its former version at once."""
         return save_atomically(directory, self._write)

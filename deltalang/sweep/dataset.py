@@ -28,7 +28,10 @@ measure the mean, sample std, n and 95% CI (`deltalang.dataset_run.stats_of`).
 of the mean per two-axis sweep and measure. With `out`, every record's rows are
 saved as it finishes (`deltalang.dataset_store`) and `resume` continues without
 rerunning the records done. Records that do not resolve are left out, with their
-data-file line (or, `strict`, the first is the error); a per-token measure is refused.
+data-file line (or, `strict`, the first is the error). A per-token measure (`norm(L.states)`, a reduction
+keeping positions) gives a row per token with its `position` named from the record's own fields (`align=`:
+`facts.subject` gives `facts.subject - 1`, `facts.subject + 2`; by default from each record's end: `-1`, `-2`)
+and `token` (the record's own number), and statistics per cell and aligned position (`sweep.aligned`).
 A sweep by attribution (`method attribution`, or `method="attribution"`) is estimated record by
 record and averaged per cell by `sweep.attribution_dataset` (its `--resume` and `--normalise` refused).
 """
@@ -57,6 +60,10 @@ from ..parse import parse
 from ..resolve import resolve_records
 from ..resolve.dataset import axis_positions, field_prompt, measure_label
 from ..results import save_atomically
+from .aligned import COLUMNS as TOKEN_COLUMNS
+from .aligned import Alignment, anchored, any_per_token, per_token_lines
+from .aligned import offset as _offset
+from .aligned import order as token_order
 from .attribution import Method, method_of
 from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records
 from .driver import SweepOutcome, _console_for, run_sweeps
@@ -78,6 +85,7 @@ class CellStats:
     sweep: str
     point: tuple[tuple[str, str], ...]  # (variable, label as written)
     stats: MeasureStats
+    position: str | None = None  # a per-token measure: the aligned position (`facts.subject + 1`, `-2`)
 
 
 @attrs.frozen
@@ -91,22 +99,35 @@ class DatasetSweepResults:
     axes: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]]  # sweep -> ((variable, labels), ...)
     program: str = ""
     normalise: str | None = None
+    align: str | None = None  # with per-token measures: what their positions are counted from (`sweep.aligned`)
 
     @property
     def variables(self) -> list[str]:
         return list(dict.fromkeys(v for axes in self.axes.values() for v, _ in axes))
 
-    def values(self, sweep: str, point: Mapping[str, str], measure: str) -> list[float]:
-        """A cell's value for each record that ran, in record order."""
+    def values(self, sweep: str, point: Mapping[str, str], measure: str, position: str | None = None) -> list[float]:
+        """A cell's value for each record that ran, in record order (a per-token measure's at `position`)."""
         return [r["value"] for r in self.rows if r["sweep"] == sweep and r["measure"] == measure
-                and all(r.get(k) == v for k, v in point.items())]
+                and all(r.get(k) == v for k, v in point.items()) and r.get("position") == position]
 
-    def stat(self, sweep: str, point: Mapping[str, str], measure: str) -> MeasureStats:
+    def stat(self, sweep: str, point: Mapping[str, str], measure: str, position: str | None = None) -> MeasureStats:
         want = tuple(point.items())
-        return next(c.stats for c in self.stats if c.sweep == sweep and c.point == want and c.stats.measure == measure)
+        return next(c.stats for c in self.stats if c.sweep == sweep and c.point == want
+                    and c.stats.measure == measure and c.position == position)
 
     def measures(self, sweep: str) -> list[str]:
-        return list(dict.fromkeys(c.stats.measure for c in self.stats if c.sweep == sweep))
+        """The sweep's measures of one number per cell (`positions(...)`: those of a number per token)."""
+        return list(dict.fromkeys(c.stats.measure for c in self.stats if c.sweep == sweep and c.position is None))
+
+    def positions(self, sweep: str, measure: str) -> list[str]:
+        """A per-token measure's aligned positions, in order of their offset (none for a measure of one number)."""
+        return token_order(c.position for c in self.stats if c.sweep == sweep and c.stats.measure == measure
+                           and c.position is not None)
+
+    def curve(self, sweep: str, point: Mapping[str, str], measure: str) -> list[tuple[str, MeasureStats]]:
+        """A per-token measure of one cell: (aligned position, its statistics over the records) in order."""
+        return [(p, self.stat(sweep, point, measure, p)) for p in self.positions(sweep, measure)
+                if any(c.sweep == sweep and c.point == tuple(point.items()) and c.position == p for c in self.stats)]
 
     def grid(self, sweep: str, measure: str) -> tuple[tuple[str, ...], tuple[str, ...], list[list[float]]]:
         """A two-axis sweep's mean per cell: (row labels: the first axis, column labels, rows x columns)."""
@@ -134,6 +155,7 @@ class DatasetSweepResults:
                             s = c.stats
                             lines.append(f"{sweep}[{at}] {m}: mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  "
                                          f"95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]")
+        lines.extend(per_token_lines(self.stats, self.align))
         for c in self.stats:
             if c.sweep not in self.axes:
                 s = c.stats
@@ -145,7 +167,22 @@ class DatasetSweepResults:
         return "\n".join(lines)
 
     def columns(self) -> list[str]:
-        return ["record", "line", *self.dataset.fields, "sweep", *self.variables, "measure", "value"]
+        tokens = list(TOKEN_COLUMNS) if any(c.position is not None for c in self.stats) else []
+        return ["record", "line", *self.dataset.fields, "sweep", *self.variables, "measure", *tokens, "value"]
+
+    def __repr__(self) -> str:
+        n = len(self.dataset.records)
+        sweeps = ", ".join(f"{s} ({' x '.join(f'{v}: {len(labs)}' for v, labs in a)})" for s, a in self.axes.items())
+        return (f"<DatasetSweepResults: {n - len(self.skipped)} of {n} records of '{self.dataset.name}', sweeps "
+                f"{sweeps}; {len(self.rows)} rows, {len(self.stats)} cell statistics; .summary(), .to_pandas(), "
+                f".save(DIR)>")
+
+    def to_pandas(self) -> Any:
+        """The rows in long format, as results.csv has them (its columns, one row per record, cell and measure)."""
+        import pandas as pd
+
+        cols = self.columns()
+        return pd.DataFrame([{k: r.get(k, "") for k in cols} for r in self.rows], columns=cols)
 
     def _repr_html_(self) -> str:
         """Notebooks: what `summary()` prints, as HTML tables with each grid's heatmap inline (`sweep.inline`)."""
@@ -158,12 +195,15 @@ class DatasetSweepResults:
     def _write(self, tmp: Path) -> None:
         write_long_csv(tmp / "results.csv", self.columns(), self.rows)
         cols = ["mean", "std", "n", "ci_low", "ci_high"]
+        at = ["position"] if any(c.position is not None for c in self.stats) else []
         rows = ([c.sweep, *(dict(c.point).get(v, "") for v in self.variables), c.stats.measure,
-                 *(getattr(c.stats, k) for k in cols)] for c in self.stats)
+                 *([c.position or ""] if at else []), *(getattr(c.stats, k) for k in cols)] for c in self.stats)
         summary = {"normalise": self.normalise, "axes": {s: dict(a) for s, a in self.axes.items()},
-                   "cells": [{"sweep": c.sweep, **dict(c.point), **attrs.asdict(c.stats)} for c in self.stats]}
-        write_summary(tmp, ["sweep", *self.variables, "measure", *cols], rows, summary, self.dataset, self.skipped,
-                      self.program)
+                   **({"align": self.align or "-1"} if at else {}),
+                   "cells": [{"sweep": c.sweep, **dict(c.point), **({"position": c.position} if at else {}),
+                              **attrs.asdict(c.stats)} for c in self.stats]}
+        write_summary(tmp, ["sweep", *self.variables, "measure", *at, *cols], rows, summary, self.dataset,
+                      self.skipped, self.program)
         for sweep, axes in self.axes.items():
             if len(axes) == 2:
                 for m in self.measures(sweep):
@@ -183,11 +223,13 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                       engine: str = "auto", progress: bool | None = None, console: Console | None = None,
                       on_record: Callable[[int], None] | None = None, method: str | None = None,
                       steps: int | None = None, refine: int | None = None,
-                      path: str | None = None) -> DatasetSweepResults | DatasetAttribution:
+                      path: str | None = None, align: str | None = None) -> DatasetSweepResults | DatasetAttribution:
     """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved.
 
     `method`, `steps`, `refine`, `path`: as `run_sweep`'s; a sweep by attribution (the program's `method
-    attribution` or `method="attribution"`) gives a `DatasetAttribution` (`sweep.attribution_dataset`)."""
+    attribution` or `method="attribution"`) gives a `DatasetAttribution` (`sweep.attribution_dataset`).
+    `align`: what a per-token measure's positions are counted from: a field (`facts.subject`, `facts.subject[0]`)
+    or -1, each record's end (the default; `sweep.aligned`)."""
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     program = parse(source, filename)
@@ -204,14 +246,23 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                             resume=resume, batch_size=batch_size, engine=engine, console=_console_for(progress,
                             console), on_record=on_record)
     norm = Normalise.parse(normalise)
+    tokens = any_per_token(good[0][1])
+    alignment = Alignment.parse(align, ds)
+    if tokens:  # each record's anchor: a record without one is left out (--strict: the error)
+        good, skipped = anchored(program, ds, good, skipped, alignment, model.spec, strict)
+    elif align is not None:
+        raise DeltaError(f"align={align!r} names where a per-token measure's positions are counted from, and no "
+                         f"sweep of the program measures one number per token: drop it")
     axes = template_axes(program, good[0][1])
     variables = list(dict.fromkeys(v for a in axes.values() for v, _ in a))
-    columns = ["record", "line", *ds.fields, "sweep", *variables, "measure", "value"]
+    columns = ["record", "line", *ds.fields, "sweep", *variables, "measure", *(TOKEN_COLUMNS if tokens else ()),
+               "value"]
     store = None
     if out is not None:
         meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
                 "model": model.spec.model_id, "options": {"normalise": None if norm is None else norm.text(),
-                                                          "engine": engine, "batch_size": batch_size},
+                                                          "engine": engine, "batch_size": batch_size,
+                                                          **({"align": alignment.text} if tokens else {})},
                 "columns": columns, "records": len(ds.records)}
         store = RecordStore(Path(out), meta, columns, resume)
     done = store.done if store is not None else set()
@@ -221,14 +272,14 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     head = (f"sweep over '{ds.name}': {len(todo)} record(s) to run" + (f", {len(good) - len(todo)} done before"
             if len(todo) < len(good) else "") + f", {cells} cells; each record's sweep through "
             + ("the engine (a forward per cell where it cannot serve one)" if engine == "auto" else "the naive path"))
-    rows: dict[int, list[dict[str, Any]]] = {rec.index: _reread(store, rec, variables) for rec, _ in good
+    rows: dict[int, list[dict[str, Any]]] = {rec.index: _reread(store, rec, variables, tokens) for rec, _ in good
                                              if rec.index in done}
     bar = RecordProgress(console, len(todo), cells, "cells", head)
     try:
         with bar:
             for rec, res in todo:
                 rows[rec.index] = _run_record(program, ds, rec, res, model, source, filename, norm, batch_size,
-                                              engine, bar)
+                                              engine, bar, alignment)
                 if store is not None:
                     store.add(rec.index, [{k: r.get(k, "") for k in columns} for r in rows[rec.index]])
                 if on_record is not None:
@@ -238,7 +289,8 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
             where = f"saved in {out}; rerun with --resume to continue" if out else "not saved (no --out)"
             console.print(f"interrupted: {bar.done} of {len(todo)} record(s) done, {where}")
         raise
-    result = _results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm)
+    result = _results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm,
+                          alignment.text if tokens else None)
     if out is not None and store is not None:
         result.save(out)
         store.finish()
@@ -276,7 +328,7 @@ def _cells(resolved: Resolved) -> int:
 
 def _run_record(program: ast.Program, ds: Dataset, rec: Record, resolved: Resolved, model: DeltaModel, source: str,
                 filename: str, norm: Normalise | None, batch_size: int | None, engine: str,
-                bar: RecordProgress) -> list[dict[str, Any]]:
+                bar: RecordProgress, alignment: Alignment | None = None) -> list[dict[str, Any]]:
     """One record's sweep(s), through the engine, as rows labelled as the template writes its cells."""
     seen = [0]
 
@@ -292,7 +344,8 @@ def _run_record(program: ast.Program, ds: Dataset, rec: Record, resolved: Resolv
         e.notes = (*e.notes, f"in record {rec.index + 1} ({ds.where(rec)})")
         raise
     bar.advance(0, 1)
-    return record_rows(program, ds, rec, resolved, outcome, model)
+    return record_rows(program, ds, rec, resolved, outcome, model, alignment)
+
 
 
 def _record_normalise(program: ast.Program, ds: Dataset, norm: Normalise | None) -> Normalise | None:
@@ -346,8 +399,9 @@ def _labels_by_value(program: ast.Program, ds: Dataset, rec: Record, run: Resolv
 
 
 def record_rows(program: ast.Program, ds: Dataset, rec: Record, resolved: Resolved, outcome: SweepOutcome,
-                model: DeltaModel) -> list[dict[str, Any]]:
-    """A record's rows: one per cell label and measure of each sweep, one per measure of its other traces."""
+                model: DeltaModel, alignment: Alignment | None = None) -> list[dict[str, Any]]:
+    """A record's rows: one per cell label and measure of each sweep (and token, of a per-token measure, its
+    position named by `alignment`), one per measure of its other traces."""
     base = {"record": rec.index, "line": rec.line, **rec.fields}
     out: list[dict[str, Any]] = []
     tables = {t.name: t for t in outcome.tables}
@@ -357,12 +411,11 @@ def record_rows(program: ast.Program, ds: Dataset, rec: Record, resolved: Resolv
             names.update({f"normalised({k})": f"normalised({v})" for k, v in names.items()})
             labels = _labels_by_value(program, ds, rec, run, model)
             for r in tables[run.name].rows:
-                if r.position is not None:
-                    raise DeltaError(f"{r.measure} is a per-token measure: a sweep over a dataset averages one "
-                                     f"value per cell (measure norm(...) of one position)")
+                at = {} if r.position is None else {
+                    "position": (alignment or Alignment()).label(rec, run, r.position), "token": r.position}
                 choices = [[(var, lab) for lab in labels[var][v]] for var, v in r.point]
                 for point in itertools.product(*choices):
-                    out.append({**base, "sweep": run.name, **dict(point), "measure": names[r.measure],
+                    out.append({**base, "sweep": run.name, **dict(point), "measure": names[r.measure], **at,
                                 "value": r.value})
         elif not run.implicit:
             for m in run.measures:
@@ -380,29 +433,33 @@ def _template_measure(program: ast.Program, m: Any) -> str:
     return cell_measure_label(m) if call is None else ast.format_measure(call)
 
 
-def _reread(store: RecordStore | None, rec: Record, variables: Sequence[str]) -> list[dict[str, Any]]:
+def _reread(store: RecordStore | None, rec: Record, variables: Sequence[str],
+            tokens: bool = False) -> list[dict[str, Any]]:
     """A record's rows saved before (--resume), as `record_rows` gives them."""
     assert store is not None
     base = {"record": rec.index, "line": rec.line, **rec.fields}
     return [{**base, "sweep": r["sweep"], **{v: r[v] for v in variables if r[v] != ""}, "measure": r["measure"],
+             **({"position": r["position"], "token": int(r["token"])} if tokens and r.get("position") else {}),
              "value": float(r["value"])} for r in store.rows_of(rec.index)]
 
 
 def _results(ds: Dataset, rows: list[dict[str, Any]], skipped: tuple[tuple[int, str], ...],
              axes: dict[str, tuple[tuple[str, tuple[str, ...]], ...]], source: str,
-             norm: Normalise | None) -> DatasetSweepResults:
-    """Statistics per cell and measure, cells in the order of their axes' labels."""
+             norm: Normalise | None, align: str | None = None) -> DatasetSweepResults:
+    """Statistics per cell and measure (and aligned position), cells in the order of their axes' labels."""
     variables = list(dict.fromkeys(v for a in axes.values() for v, _ in a))
-    groups: dict[tuple[str, tuple[tuple[str, str], ...], str], list[float]] = {}
+    groups: dict[tuple[str, tuple[tuple[str, str], ...], str, str | None], list[float]] = {}
     for r in rows:
         point = tuple((v, r[v]) for v in variables if v in r)
-        groups.setdefault((r["sweep"], point, r["measure"]), []).append(r["value"])
+        groups.setdefault((r["sweep"], point, r["measure"], r.get("position")), []).append(r["value"])
 
-    def order(key: tuple[str, tuple[tuple[str, str], ...], str]) -> tuple[Any, ...]:
-        sweep, point, _ = key
+    def order(key: tuple[str, tuple[tuple[str, str], ...], str, str | None]) -> tuple[Any, ...]:
+        sweep, point, _, at = key
         labels = dict(axes.get(sweep, ()))
-        return (sweep not in axes, tuple(labels[v].index(lab) for v, lab in point))
+        return (sweep not in axes, tuple(labels[v].index(lab) for v, lab in point), at is not None,
+                0 if at is None else _offset(at))
 
     keys = sorted(groups, key=order)  # stable: measures keep their first-seen order
-    stats = tuple(CellStats(s, p, stats_of(m, groups[(s, p, m)])) for s, p, m in keys)
-    return DatasetSweepResults(ds, tuple(rows), stats, skipped, axes, source, None if norm is None else norm.text())
+    stats = tuple(CellStats(s, p, stats_of(m, groups[(s, p, m, at)]), at) for s, p, m, at in keys)
+    return DatasetSweepResults(ds, tuple(rows), stats, skipped, axes, source, None if norm is None else norm.text(),
+                               align)
