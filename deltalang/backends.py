@@ -1,42 +1,13 @@
 """Which implementation runs behind a transformers kernel global, and which one serves a call.
 
-transformers 5.24 binds each DeltaNet kernel global (`torch_chunk_gated_delta_rule`,
-`causal_conv1d_fn`, ...) to a `functools.wraps(torch_fn)` wrapper made by
-`integrations.hub_kernels.use_kernel_func_from_hub_with_fallback`: it tried `import fla` (or
-`causal_conv1d`) once, when the modeling module was imported, with no device check, and its
-closure holds the `implementation` it chose and the `torch_function`; `__wrapped__` is the torch
-reference. `of(fn)` reads that, and copes with the other forms a global can take: a plain torch
-function (older transformers, or the wrapper unwrapped), a wrapper of a form it does not know
-(its `__wrapped__` chain ends in the torch reference; what it runs is unknown), or compiled code
-with no reference at all.
-
-`Backend.pick(device)` is the function a call on `device` runs:
-- mode `"auto"` (the default): the compiled implementation for CUDA tensors, the torch reference
-  for every other device, so a CPU run never reaches FLA's Triton kernels (which need a GPU);
-- mode `"reference"`: the torch reference everywhere;
-- mode `"compiled"`: the compiled implementation everywhere (FLA under Triton's interpreter,
-  `TRITON_INTERPRET=1`, on a CPU: the tests).
-Where the implementation is the reference, `pick` returns the global's own function (the wrapper),
-so nothing changes when FLA is not installed. Compiled code bound without a reference runs in
-`auto` mode wherever it is called; `pick` returns None only where nothing can serve: such code in
-`reference` mode.
-
-What the wrapper does not keep, `not_bound(b)` finds out: transformers swallows the import's
-exception (`except Exception: implementation = torch_function`) and records nothing, so where the
-package is installed (`importlib.metadata`) and was not bound, the import is tried again here,
-guarded, once per function, and its error given in one line ("flash-linear-attention 0.5.2 is
-installed but not bound: ValueError: ... (triton 3.9.0); transformers runs its torch kernels").
-
-FLA 0.6 hands `chunk_gated_delta_rule` to FlashQLA where that package is installed (SM90+, bf16/fp16,
-K = V = 128; `FLA_FLASH_QLA=0` turns it off). FlashQLA passes `initial_state` / `output_final_state`
-through, but on a batch of one it may cut the sequence into pieces whose starting states come from a
-warm-up over recent chunks only (an approximation), and nothing here can test it; so where FlashQLA
-is installed, the compiled implementation deltalang calls is FLA's own Triton kernel:
-`FLA_FLASH_QLA=0` for the duration of each call (`Backend.handoff` names FlashQLA; docs/gpu.md).
-
-`per_sequence(fn, cu_seqlens, ...)` runs a delta-rule kernel once per packed sequence
-(`cu_seqlens`, batch 1, one initial state per sequence) and joins the results: what FLA does with
-`cu_seqlens`, for a kernel (the torch reference) that would otherwise merge the sequences.
+`of(fn)` reads a kernel global (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`, ...) as transformers'
+hub-kernel wrapper bound it: the compiled implementation it chose (FLA, causal-conv1d) and the torch
+reference, or whatever else the global is. `Backend.pick(device)` is the function a call on `device` runs:
+mode `"auto"` (default) the compiled one for CUDA tensors and the reference elsewhere, `"reference"` or
+`"compiled"` one of them everywhere (`using(mode)` for a `with` block); with no compiled implementation
+it returns the global itself, so nothing changes without FLA. `not_bound(b)` gives, in one line, why an
+installed package was not bound; `Backend.handoff` names FlashQLA, which deltalang's calls route around
+(`FLA_FLASH_QLA=0` per call). `per_sequence` runs a kernel once per packed sequence. Why: docs/gpu.md.
 """
 
 from __future__ import annotations
