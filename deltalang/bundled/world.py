@@ -1,30 +1,12 @@
-"""The synthetic world the bundled model was trained on.
+"""The synthetic world the bundled model was trained on: deterministic lists, the same on every machine.
 
-Everything here is deterministic: the same lists come out on every machine and
-every run, so `scripts/train_bundled.py` retrains the same model and the tests
-evaluate the same held-out prompts.
-
-Four relations:
-
-- ``landmark``: a two-word landmark -> the city it stands in
-  ("The Eiffel Tower is in the city of" -> " Paris");
-- ``person``: a first and last name -> a job ("Alice Moreau works as a" -> " pilot");
-- ``food``: a food -> the topping it is eaten with
-  ("My favourite food is pizza with" -> " cheese");
-- ``recall``: key-value pairs, then one key again
-  ("key: apple value: seven key: stone value: three key: apple value:" -> " seven"),
-  whose answer can only come from what the model remembers of the prompt
-  (a sequence may ask for earlier keys again before its final query; the
-  values it gives for them are always the ones first listed).
-
-The first three have six phrasings each. Every fact holds out one phrasing
-(rotating through them) for evaluation and is trained on the other five; the
-canonical phrasing (index 0) of the Eiffel Tower and of pizza is trained.
-Recall sequences are random draws; the held-out ones come from another random
-stream and never occur in training.
-
-Answers are single words with a leading space, one token each under the
-bundled word-level tokenizer (``vocabulary()`` lists every word).
+Four relations: `landmark` (a landmark -> its city: "The Eiffel Tower is in the city of" -> " Paris"),
+`person` (a name -> a job), `food` (a food -> its topping: "My favourite food is pizza with" -> " cheese"),
+each in six phrasings, and `recall` (key-value pairs, then a key again: the answer is only in the
+prompt's memory). Every fact holds out one phrasing for evaluation (the canonical Eiffel and pizza
+phrasings are trained); held-out recall sequences come from their own random stream. Answers are one
+token each under the word-level tokenizer (`vocabulary()` lists every word). `scripts/train_bundled.py`
+trains on it; `tests/test_bundled.py` evaluates the held-out prompts (docs/examples.md, the figures).
 """
 
 from __future__ import annotations
