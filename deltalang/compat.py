@@ -1,18 +1,12 @@
 """The versions of transformers and nnsight deltalang runs on, and what differs between them.
 
-One home for version facts (README, "Supported versions", says why each bound is where it is):
-
-- `SUPPORTED`: each dependency's range, the same as pyproject.toml's (`tests/test_compat.py` holds
-  them together);
-- `check_versions()`: raises `UnsupportedVersion`, one line naming the installed version and the
-  range, when transformers or nnsight is outside it (read from the installed metadata, so it answers
-  even where nnsight is too old to import);
-- `cache_keyword(target)` / `cache_kwargs(cache, target)`: the keyword a transformers forward takes
-  its cache under. transformers 5.24 renamed `past_key_values` to `cache` in every forward (model,
-  decoder layer, `create_causal_mask`); an unknown keyword is swallowed by `**kwargs`, so passing the
-  wrong one silently runs without the cache. The keyword is read off the signature of the function
-  called (or, without one, of transformers' `create_causal_mask`), never assumed; `output_cache(out)`
-  the cache a forward returned, under either name.
+- `SUPPORTED`: each dependency's range, as in pyproject.toml (`tests/test_compat.py` holds them together);
+  docs/gpu.md, "Supported versions", says why each bound is where it is;
+- `check_versions()`: `UnsupportedVersion`, one line naming the installed version and the range;
+- `cache_keyword(target)` / `cache_kwargs(cache, target)`: the keyword a transformers forward takes its
+  cache under (`past_key_values` before 5.24, `cache` after), read off the called function's signature,
+  never assumed (an unknown keyword would be swallowed by `**kwargs`); `output_cache(out)` the cache a
+  forward returned, under either name.
 """
 
 from __future__ import annotations
