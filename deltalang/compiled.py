@@ -3,20 +3,11 @@
     exp = Experiment.from_source('read L0.states', model=None, prompt="The Eiffel Tower is in the city of")
     exp.plan, exp.code, exp.run()["main.L0.states"]
 
-`get_model` / `model_for`: a loaded model for a source (the given one, its
-`model` line, else the bundled model), loaded once per process. The source is
-parsed once: to find its `model` line when no model is given, and that parse
-is the one `check` resolves.
-
-The emitted code is executed from `linecache` under a `<deltalang:FILE>` name
-(nnsight reads the `with` blocks' source back). A DeltaError raised while it
-runs (a write that does not fit, ...) is reported against the program line its
-op came from; any other exception is deltalang's own bug and propagates as it
-is (the command line reports it as one).
-
-This layer does not know the sweep engine: a program with sweeps runs through
-the `sweep_driver` it was given (`deltalang.run.compile` gives the engine's);
-without one, `run()` refuses it.
+`get_model` / `model_for`: the model for a source (the given one, its `model` line, else the bundled
+one), loaded once per process; the source is parsed once. The code runs from `linecache` as
+`<deltalang:FILE>`; a DeltaError it raises is reported against its op's program line, anything else
+propagates as deltalang's bug. Sweeps run through the `sweep_driver` given (`run.compile` gives the
+engine's); without one `run()` refuses them.
 """
 
 from __future__ import annotations
