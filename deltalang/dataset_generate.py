@@ -1,32 +1,13 @@
 """A generate over a dataset: each record's continuation and every measure at every step (`run_generate`).
 
-    dataset facts = "facts.jsonl"
-    generate g on facts max_new_tokens 4 {
-        step 1: write L[linear].state_input from facts.corrupt
-        measure prob(facts.answer)
-    }
-
-Each record's program is its plain one-prompt program (`deltalang.resolve.dataset.expand`), its
-generates made as one-prompt generate makes them, and its rows are its continuation (the new
-tokens; `read tokens` whether written or not) and each measure at each step. Records whose
-generates have prompts of one length share forwards: their programs merged into one (`merge`, each
-run renamed `NAME#k`), then the generates of one template run combined into one `model.generate`
-with an invoke per record (`shared_generates`; the code is `emit.emit_shared_generate`). No row is
-padded, so a record's tokens and measures are those of its program run alone. A sampled generate
-runs alone (its seed then gives the tokens of the record run alone), as does a program whose runs
-cannot be renamed apart (`as` names, `= NAME` or `mean` sources).
-
-Results (`DatasetGeneration`): `rows` in long format (`record`, `line`, the fields, `measure` as the
-template writes it, `step` (empty for a trace's measure), `value`; a generate's new tokens are the
-rows `g.tokens`, one per step, the value the token id), `continuations` (record, line, run, text,
-token_ids) and per measure and step the statistics of `dataset_run.stats_of`. `save(DIR)` writes
-`results.csv`, `continuations.jsonl`, `summary.csv` (measure, step, mean, std, n, ci_low, ci_high),
-`summary.json` and `program.dl`. With `out` each group of records is saved as it finishes
-(`dataset_store.RecordStore`) and `resume` continues a run (continuations rebuilt from `g.tokens`).
-
-`describe` is what `deltalang emit [--plan]` prints for it: the plan (or code) of its largest group.
-`dataset_run.run_dataset` calls `run_generate`, handing it its `merge` and `stats_of` (so that this
-module does not import it).
+Each record runs its plain one-prompt program (`resolve.dataset.expand`); records whose prompts have one
+length share one `model.generate` with an invoke per record (`merge`, runs renamed `NAME#k`), never
+padded, so a record's tokens and measures are those of its program run alone (a sampled generate, or
+runs that cannot be renamed apart, run alone). Returns `DatasetGeneration`: long-format `rows` (record,
+line, fields, measure, step, value; new tokens as `g.tokens` rows), `continuations`, statistics per
+measure and step; `save(DIR)` writes results.csv, continuations.jsonl, summary.csv/json, program.dl.
+`out`/`resume` save and continue group by group (`dataset_store.RecordStore`). `describe` is what
+`deltalang emit [--plan]` prints. `dataset_run` passes in `merge` and `stats_of` (no upward import).
 """
 
 from __future__ import annotations
