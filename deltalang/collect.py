@@ -1,30 +1,15 @@
-"""Reads over a dataset collected: every record's values written to sharded safetensors as the run goes.
+"""Reads over a dataset collected into sharded safetensors as the run goes (`collect_records`).
 
     dataset facts = "facts.jsonl"
     trace t on facts { read L[linear].state_after(facts.subject) as s }
 
-    collect_records(...)  # called by `dataset_run.run_dataset` for a program over a dataset with reads
-
-Contract. A run over a dataset whose traces `read` is a collection; it needs an `--out DIR` (`out=`).
-Each read of the template is one *label*, named as written (`s.L0`, `t.L1.states`, the same in every
-record). Records share forwards as any run over a dataset does (the caller's groups); a record's values
-are its own, whatever shares its forward. Values go to `DIR/shard-NNNNN.safetensors`, a shard written
-once at least `shard_bytes` (default `SHARD_BYTES`) are buffered and at the end, never the whole
-collection in memory: a value of a fixed shape is one tensor per label and shard with the record axis
-first (`s.L0`: `[rows, heads, key_dim, value_dim]`, the batch axis dropped); a value whose length is the
-record's (`states`, `output`: a `s` axis) is stored per record (`t.L1.states@17`), never padded. After a
-shard is synced, each of its records gets a line in `DIR/index.jsonl` (record number, data line, fields,
-shard, row, its measures): a record is done when its line is. `DIR/progress.json` (the program, its
-sha256, the model, the shard size) is written first; `DIR/collection.json`, the manifest (labels with
-their shapes, axes and dtype, shards, bytes, records left out), is written last, with `program.dl`
-(and `results.csv`, `summary.*` when the program also measures): until the manifest exists nothing
-looks complete. `resume=True` continues such a run (the same program, model and shard size only): the
-records indexed are not rerun and a shard no index line names (torn off by a crash) is removed. A run
-that fails with no record done removes what it wrote.
-
-Before anything is written, the size of the whole output is estimated from the first group's values
-(bytes per record and per token) and refused with the figure if the disk (`shutil.disk_usage`) lacks it.
-Problems are DeltaErrors.
+Called by `dataset_run.run_dataset` for a program over a dataset that reads; needs `out=DIR`. Each read
+of the template is a label named as written (`s.L0`); a record's values are its own, whatever shares its
+forward. Writes `shard-NNNNN.safetensors` (fixed-shape labels one tensor per shard, record axis first;
+per-token values per record, `t.L1.states@17`, never padded), `index.jsonl` (a record is done when its
+line is), `progress.json` first and the manifest `collection.json` last (nothing looks complete before
+it). `resume=True` continues the same program, model and shard size; a shard no index line names is
+removed. The output's size is checked against the free disk first. Problems are DeltaErrors.
 """
 
 from __future__ import annotations
