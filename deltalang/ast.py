@@ -173,11 +173,13 @@ class Reduce:
 
 @attrs.frozen
 class FromSource:
-    """`from RUN` (the same site there) or `from RUN.SITE` (a site of its own)."""
+    """`from RUN` (the same site there) or `from RUN.SITE` (a site of its own); `at POS` names the donor's
+    position in the donor's own prompt (`from facts.corrupt at facts.foil_subject`, `from other at "Tower"`)."""
 
     run: str
     site: Site | None = None
     span: Span = _span()
+    at: Position | None = None
 
 
 @attrs.frozen
@@ -614,7 +616,8 @@ def format_reduce(r: Reduce) -> str:
 def format_source(src: Source) -> str:
     """The part of a write after its site: `from other`, `= zeros`, `*= 0.5`..."""
     if isinstance(src, FromSource):
-        return f"from {src.run}" + ("" if src.site is None else "." + format_site(src.site))
+        at = "" if src.at is None else f" at {format_position(src.at)}"
+        return f"from {src.run}" + ("" if src.site is None else "." + format_site(src.site)) + at
     if isinstance(src, ZerosSource):
         return "= zeros"
     if isinstance(src, NamedSource):

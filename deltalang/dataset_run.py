@@ -40,7 +40,7 @@ from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generates, run_generate
 from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
 from .datasets import Dataset, dataset_from_python, load_dataset
-from .errors import DeltaError, warn
+from .errors import DeltaError, RecordsWarning, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
 from .measures import refuse_per_token
 from .model import DeltaModel
@@ -349,7 +349,8 @@ def _warn_once(ds: Dataset, resolutions: list[RecordResolution]) -> None:
         for w in r.resolved.warnings if r.resolved is not None else ():
             if w.message not in seen:
                 seen.add(w.message)
-                w.notes = (*w.notes, f"in record {r.record.index + 1} ({ds.where(r.record)})")
+                if not isinstance(w, RecordsWarning):  # one about many records names them itself
+                    w.notes = (*w.notes, f"in record {r.record.index + 1} ({ds.where(r.record)})")
                 warn(w)
 
 

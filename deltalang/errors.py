@@ -93,6 +93,10 @@ class DeltaWarning(Diagnostic, UserWarning):
     kind = "warning"
 
 
+class RecordsWarning(DeltaWarning):
+    """A warning about many records of a dataset at once (it names them itself), not about one record."""
+
+
 _PACKAGE = str(Path(__file__).resolve().parent) + os.sep
 
 

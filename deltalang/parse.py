@@ -703,7 +703,11 @@ class _Builder:
                           self.span(head))
             rest = segs[1:]
             site = self.site_from_segments(rest, _cover(self.span(rest[0]), self.span(rest[-1]))) if rest else None
-            return ast.FromSource(str(head.children[0]), site, span=sp)
+            at = None if tree.children[1] is None else self.position(tree.children[1].children[0])
+            if at is not None and site is not None and site.position is not None:
+                self.fail(f"the donor's position is named twice: drop '({ast.format_position(site.position)})' "
+                          f"or 'at {ast.format_position(at)}'", at.span)
+            return ast.FromSource(str(head.children[0]), site, span=sp, at=at)
         # assign_source: zeros | NAME | mean(...)
         hint = "after '=' comes zeros, the name of a read, or mean(PROMPTS)"
         if len(segs) != 1:

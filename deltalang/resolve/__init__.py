@@ -50,6 +50,7 @@ from ..ir import Resolved, ResolvedRun
 from ..spec import ModelSpec
 from .dataset import check_over, expand, uses_dataset
 from .declare import declare
+from .donors import donor_token_warnings, with_warnings
 from .effects import warn_unread
 from .runs import Draft, implicit_run, resolve_main, resolve_run
 from .scope import Scope
@@ -108,7 +109,21 @@ def resolve_records(program: ast.Program, datasets: Mapping[str, Dataset], spec:
         assert err is not None
         err.notes = (*err.notes, f"in every record of '{ds.name}'; the first is at {ds.where(ds.records[0])}")
         raise err
-    return ds, out
+    return ds, with_donor_warnings(program, ds, out, source, filename)
+
+
+def with_donor_warnings(program: ast.Program, ds: Dataset, out: list[RecordResolution], source: str,
+                        filename: str) -> list[RecordResolution]:
+    """The records, the first resolved one carrying the warnings about every record's donors
+    (`donors.donor_token_warnings`), so that `check` and `run` both show them once."""
+    done = [(r.record, r.resolved) for r in out if r.resolved is not None]
+    extra = donor_token_warnings(program, ds, done)
+    if not extra:
+        return out
+    i = next(i for i, r in enumerate(out) if r.resolved is not None)
+    first = out[i].resolved
+    assert first is not None
+    return [*out[:i], attrs.evolve(out[i], resolved=with_warnings(first, extra, source, filename)), *out[i + 1:]]
 
 
 def resolve_program(scope: Scope) -> Resolved:

@@ -193,7 +193,9 @@ def expand(program: ast.Program, ds: Dataset, record: Record, spec: ModelSpec | 
                 return attrs.evolve(node, position=pos)
             if (isinstance(node, ast.FromSource) and node.run == ds.name and node.site is not None
                     and node.site.block is None and node.site.position is None and node.site.value in ds.fields):
-                return ast.FromSource(donor(node.site.value), None, span=node.span)
+                return ast.FromSource(donor(node.site.value), None, span=node.span, at=_donor_piece(node.at, record))
+            if isinstance(node, ast.FromSource) and isinstance(node.at, ast.Field):  # `from facts at facts.x`
+                return attrs.evolve(node, at=_donor_piece(node.at, record))
             if isinstance(node, ast.Axis) and isinstance(node.domain, ast.PosList) and isinstance(run, ast.Sweep):
                 return attrs.evolve(node, domain=_written_list(node.domain, where[(run.name, node.var)]))
             return None
@@ -219,6 +221,11 @@ def expand(program: ast.Program, ds: Dataset, record: Record, spec: ModelSpec | 
     extra = [ast.PromptDecl(name, record.fields[f], span=items[at].span) for f, name in donors.items()]
     items[at:at + 1] = extra
     return attrs.evolve(program, items=tuple(items))
+
+
+def _donor_piece(at: Any, record: Record) -> Any:
+    """`at facts.foil_subject`: the record's text of the field, a quoted piece found in the donor's prompt."""
+    return ast.PiecePos(record.fields[at.field], span=at.span) if isinstance(at, ast.Field) else at
 
 
 def field_prompt(program: ast.Program, ds: Dataset, field: str) -> str:

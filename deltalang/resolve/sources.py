@@ -196,11 +196,13 @@ def from_run(scope: Scope, src: ast.FromSource, t: Target, n: int, count: int, c
             raw, span = site.position, site.position.span
             if isinstance(raw, ast.VarPos):
                 position_variable(scope, raw, ctx)
-        elif positional and raw is None:
+        elif positional and raw is None and src.at is None:
             scope.fail(f"'{value}' needs a position: {value}(3), {value}(-1) or {value}(\"word\")", site.span)
         elif not positional:
             raw = None
     explicit = site is not None and site.position is not None
+    if src.at is not None:  # `from RUN at POS`: the donor's own position, in its prompt
+        raw, span, explicit = donor_at(scope, src, value), src.at.span, True
     position, pmap = donor_position(scope, raw, explicit, t, value, run, kind, dtoks, span, ctx)
     if kind == "generate" and step is None and (position is not None or pmap):
         step = 0  # a position of the prompt: step 0
@@ -208,6 +210,24 @@ def from_run(scope: Scope, src: ast.FromSource, t: Target, n: int, count: int, c
     pvar = raw.name if isinstance(raw, ast.VarPos) else None
     head, head_var = donor_head(scope, site, t, ctx)
     return FromRun(run, layer, value, position, step, layer_var, pvar, pmap, head, head_var)
+
+
+def donor_at(scope: Scope, src: ast.FromSource, value: str) -> ast.Position:
+    """The position `from RUN at POS` names in the donor: a number (from the donor's end when negative) or a
+    quoted piece of the donor's prompt (a record's field is that record's piece by now)."""
+    at = src.at
+    assert at is not None
+    info = values.CATALOGUE.get(value)
+    if info is None or not info.positional:
+        scope.fail(f"'{value}' takes no position, so the donor has none to name: drop 'at "
+                   f"{ast.format_position(at)}'", at.span)
+    if isinstance(at, ast.Field):
+        scope.fail(f"'{at.dataset}.{at.field}': a record's field names a donor position only in a run on its "
+                   f"dataset", at.span)
+    if not isinstance(at, (ast.IntPos, ast.PiecePos)):
+        scope.fail(f"after 'at' comes the donor's position: a number (3, -1), a quoted piece of its prompt "
+                   f"(\"Tower\") or, over a dataset, a record's field (facts.foil_subject)", at.span)
+    return at
 
 
 def donor_head(scope: Scope, site: ast.Site | None, t: Target, ctx: Ctx) -> tuple[int | None, str | None]:
