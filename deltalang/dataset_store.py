@@ -1,29 +1,16 @@
 """A run over a dataset saved record by record: `RecordStore` (`--out DIR`, `--resume`) and `RecordProgress`.
 
     store = RecordStore(Path("out"), meta, columns, resume=False)
-    store.add(record_index, rows)            # appended to DIR/results.partial.csv and synced, then marked done
-    store.rows_of(i)                          # on --resume: the rows of a record done before
+    store.add(record_index, rows)   # appended to DIR/results.partial.csv and synced, then marked done
+    store.rows_of(i)                # on --resume: the rows of a record done before
 
-Contract: `DIR/results.partial.csv` (long format, `columns`) gets each record's rows as the
-record finishes, written and synced before the record is marked done in
-`DIR/progress.json` (with the program's sha256, the model and the options that
-change values), so an interrupted run loses no finished record and `resume`
-continues the same run only: a record marked done is not rerun, its rows are read
-back (a torn last line is dropped). Without `resume`, a directory holding an
-unfinished run is an error (rerun with --resume or choose another --out). The
-caller writes the final files (`results.csv` in record order) and then `finish()`
-marks the run complete and removes the partial CSV: until then nothing in DIR is named like a result. A run
-that fails before any record is done calls `abandon()`, which removes what the store wrote (and DIR, if the
-store made it). Values go through `repr(float)`, so read back they are
-the same floats. Problems are DeltaErrors.
-
-`write_long_csv(path, columns, rows)` writes a finished run's `results.csv` in the same form and
-`write_summary(DIR, ...)` its `summary.csv`, `summary.json` and `program.dl` (one home for them: runs,
-dataset sweeps and attribution over a dataset write them).
-
-`RecordProgress` is the progress line of such a run (rich, on the console given;
-nothing without one): records done of all, the cells or measures done, the rate,
-time left.
+A record's rows are synced before `DIR/progress.json` marks it done (with the program's sha256, the model
+and the options that change values), so an interrupted run loses no finished record and `resume`
+continues the same run only; without `resume` a directory holding an unfinished run is an error.
+`finish()` marks the run complete once the caller wrote its final files; `abandon()` removes what a run
+that finished no record wrote. Floats round-trip through `repr`. `write_long_csv` and `write_summary` are
+the one writer of `results.csv`, `summary.csv/json` and `program.dl`. `RecordProgress` is the progress
+line (rich; nothing without a console). Problems are DeltaErrors.
 """
 
 from __future__ import annotations
