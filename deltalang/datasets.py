@@ -3,19 +3,11 @@
     ds = load_dataset("facts", Path("examples/data/landmarks.jsonl"))
     ds.records[0].fields["subject"], ds.records[0].line
 
-A `Dataset` is a name, where it came from, and its `Record`s in file order; each
-record has its 0-based `index`, the `line` of the data file it starts on (the
-row number for data given from Python) and its fields as strings. Nothing in a
-data file is ever evaluated: JSON values must be strings (numbers are kept as
-their text; null, like a DataFrame's empty cell, is a field the record lacks),
-CSV/TSV cells are text. The format is the file's suffix: `.jsonl`
-(or `.ndjson`), `.csv`, `.tsv`.
-
-Every problem is one `DeltaError` naming the file and, where there is one, the
-line: a missing or unreadable file, bytes that are not UTF-8, a malformed line,
-a record that is not an object of text fields, an empty dataset. This module
-only loads: which fields a program uses is checked where the program is
-(`deltalang.resolve.dataset`).
+A `Dataset` is a name, its source and its `Record`s in file order (0-based `index`, the data-file `line`
+it starts on, fields as strings). Nothing is evaluated: JSON values must be strings (numbers kept as
+text, null a missing field), CSV/TSV cells are text; the format is the suffix (`.jsonl`/`.ndjson`,
+`.csv`, `.tsv`). Every problem is one `DeltaError` naming the file and line. Which fields a program uses
+is checked by `deltalang.resolve.dataset`, not here.
 """
 
 from __future__ import annotations
