@@ -1,23 +1,14 @@
 """The delta rule itself, for what transformers' kernels do not give: every token's state, one token's read.
 
-Contract:
-- `per_token(fam, q, k, v, g, beta, initial_state, l2)` returns (outputs `[b, s, h, dv]` in the
-  query's dtype, states `[b, s, h, dk, dv]` float32, whatever the inputs' dtype or device): the
-  state after every token, computed in chunks of `CHUNK` tokens with batched matrix products and
-  a loop over chunks only (never over tokens). `final_state=True` returns (outputs, the state
-  after the last token) without materialising the others.
-- `per_token_reduced(..., sinks)` is `per_token` for a reduction of the states: each group of chunks of
-  one batch row is handed to every sink (`sink(row, start, states [t, h, dk, dv])`, positions past the
-  call's end cut) and dropped, so `[b, s, h, dk, dv]` never exists; it computes no outputs.
-- `per_token_loop` is the same recurrence token by token: the tests' plain statement of it.
-- `prepare` is the kernels' own preprocessing (float32, heads first, l2-norm, 1/sqrt(dk), repeated
-  key heads); `read_state` is one token's read `q_t @ S` of a (replaced) state.
-- Inside `reusing()` (a traced forward: `DeltaModel.interleave`), the states of one call are
-  written into the buffer of an earlier call when nothing references that buffer any more (no
-  tensor, no view: the storage's use count says so), which saves the fresh allocation's page
-  faults per block; the buffer is dropped by `release()` (after the forward's last DeltaNet
-  block) and when the outermost `reusing()` ends. A tensor returned
-  here is never overwritten while anything can still see it.
+- `per_token(fam, q, k, v, g, beta, initial_state, l2)` -> (outputs `[b, s, h, dv]` in the query's dtype,
+  states `[b, s, h, dk, dv]` float32): in chunks of `CHUNK` tokens, batched products, a loop over chunks
+  only; `final_state=True` gives the last state alone.
+- `per_token_reduced(..., sinks)`: each group of chunks of one row handed to every sink and dropped, so the
+  `[b, s, h, dk, dv]` tensor never exists; `per_token_sq_norms` each head's squared norm after every token.
+- `per_token_loop`: the same recurrence token by token (the tests' plain statement of it).
+- `prepare`: the kernels' own preprocessing; `read_state`: one token's read `q_t @ S`.
+- `reusing()` / `release()`: inside a traced forward, a block's states reuse an earlier call's buffer once
+  nothing references it; a tensor returned is never overwritten while anything can see it.
 """
 
 from __future__ import annotations
