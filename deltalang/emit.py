@@ -1,18 +1,10 @@
 """Plan -> the nnsight program a researcher would write by hand: `emit()`.
 
-The code is plain Python over nnsight and deltalang's value layer: one
-`with model.trace(...)` (or `model.generate(...)`) per pass, one
-`tracer.invoke(...)` per run that shares the pass, every op on its own line in
-forward order with a comment pointing back at the `.dl` line it comes from.
-It defines `experiment(model) -> dict` and, run as a script, loads the model
-and prints the results, so a saved copy runs with plain `python`.
-
-A program with sweeps compiles to their reference form (every cell one full
-forward, as `deltalang sweep --naive` runs them), and its docstring says first
-that the sweep engine computes those cells differently.
-
-`Emitted.line_map` maps each generated line to the `.dl` span it came from,
-so a runtime error can be reported against the program.
+One `with model.trace(...)` (or `model.generate(...)`) per pass, one `tracer.invoke(...)` per run sharing
+it, every op on its own line in forward order with a comment naming its `.dl` line. The code defines
+`experiment(model) -> dict` and, run as a script, loads the model and prints the results. Sweeps compile
+to their reference form (a forward per cell, as `deltalang sweep --naive` runs them), and the docstring
+says so. `Emitted.line_map` maps each generated line to its `.dl` span, for runtime errors.
 """
 
 from __future__ import annotations
