@@ -1,32 +1,14 @@
 """Gradients of a scalar measure with respect to every DeltaNet block's memory after every token.
 
-Contract. `record(hf, family, layers, forward)` runs `forward()` (a plain transformers forward
-that builds a graph: gradients enabled) with a recorder on each DeltaNet mixer's kernel calls,
-keeping per block what the delta-rule kernel and the short convolution took (queries, keys,
-values, log decays, betas; the convolution's input and weight) and, in the graph, their outputs
-(the convolution's before its activation). `Recording.backward(measure)` then takes the
-gradient of the measure at those outputs only (`torch.autograd.grad`; no weight gradient).
-
-From these, per block and without holding any other block's per-token states:
-- `state_gradients(block)`: dM/dS_t for every token t, `[b, s, h, dk, dv]` float32, where S_t
-  is `state_after(t)` (tokens after t continue from it, and token t's own output reads it). It
-  is the adjoint of the delta rule, one backward scan over tokens:
-      lambda_t = q_t go_t^T + D_{t+1} (I - beta_{t+1} k_{t+1} k_{t+1}^T) lambda_{t+1},
-  with q, k the kernel's normalised (and scaled) query and key, go the gradient at the kernel's
-  output at t, D_t the decay (a scalar per head; per key channel for Kimi). The forward step is
-  S_t = (I - beta_t k_t k_t^T) D_t S_{t-1} + beta_t k_t v_t^T, the adjoint is its transpose.
-- `state_dots(block, delta)`: sum over each head's state of lambda_t * delta_t, `[b, s]`, the
-  same scan without keeping lambda (`delta(t)` gives the state difference at t).
-- `window_gradients(block)`: dM/dW_t for `conv_window_after(t)` (`[b, s, conv_dim, width-1]`):
-  the window's column i is token t-width+2+i, which the convolution outputs at t+1..t+i+1 read
-  through kernel taps i..0, so its gradient is sum_{d=1}^{i+1} weight[:, i+1-d] * gy_{t+d}.
-- `states(block)` / `windows(block)`: the block's own states and windows after every token
-  (`kernels.per_token`; the windows zero-filled on the left), what a patch's difference needs;
-  `states_at(block, ts)` the states after the tokens ts alone.
-
-A recording holds activations of the size of the kernels' inputs and outputs; the per-token
-states exist for one block at a time in the callers' hands. Prompts only (no decode step): a
-recorder meeting a decode step's convolution or delta-rule call refuses it.
+`record(hf, family, layers, forward)` runs a plain transformers forward with gradients, recording each
+DeltaNet block's kernel and convolution inputs and outputs; `Recording.backward(measure)` takes the
+measure's gradient at those outputs only (no weight gradient). Then, per block, one block's per-token
+states at a time:
+- `state_gradients(block)`: dM/dS_t for every token, `[b, s, h, dk, dv]` float32 (S_t = `state_after(t)`),
+  by the delta rule's adjoint scan; `state_dots(block, delta)` the same scan dotted with a difference, `[b, s]`;
+- `window_gradients(block)`: dM/dW_t for `conv_window_after(t)`, `[b, s, conv_dim, width-1]`;
+- `states(block)`, `windows(block)`, `states_at(block, ts)`: the block's own values a patch's difference needs.
+Prompts only: a decode step's call is refused. The derivation: docs/attribution.md.
 """
 
 from __future__ import annotations
