@@ -1,22 +1,11 @@
 """What deltalang shows in a notebook: HTML pieces and a progress line updated in place.
 
-Contract: pure rendering, no model and no torch. Every function returns a
-self-contained HTML fragment (no script, no external file, no style sheet: the
-inline images are `data:` URIs of PNG bytes), every text it is given is escaped,
-and each fragment reads the same in JupyterLab, classic Jupyter, VS Code and a
-rendered `.ipynb` on GitHub. The `_repr_html_` methods of `Results`,
-`DatasetResults` and the sweep tables (`sweep.inline`) call these, so what a
-notebook shows is what `deltalang run` prints, as a table:
-
-- `summary_table(summary, names)`: a `Results.summary()` text as a table of
-  (result, value), one row per result name, in order; lines that continue a
-  result (a per-token norm's tokens) stay in its row, a closing note (`(‖·‖F:
-  ...)`) becomes the caption;
-- `dataset_table(results)`: a `DatasetResults` (read through its attributes) as
-  its per-measure statistics and the records left out;
-- `NotebookProgress(total)`: the sweep driver's progress in a notebook, one output
-  updated in place (text and an HTML `<progress>`), needing neither ipywidgets nor
-  a terminal; IPython is imported only when it is used.
+Pure rendering, no model and no torch: every function returns a self-contained HTML fragment (no script,
+no external file; images as `data:` PNG URIs), every text escaped, the same in JupyterLab, classic
+Jupyter, VS Code and GitHub's `.ipynb` view. `summary_table` renders a `Results.summary()` text as rows
+of (result, value), its closing note as the caption; `dataset_table` a `DatasetResults`' statistics and
+records left out; `NotebookProgress(total)` one output updated in place (no ipywidgets; IPython imported
+only when used). The `_repr_html_` of `Results`, `DatasetResults` and sweep tables call these.
 """
 
 from __future__ import annotations
