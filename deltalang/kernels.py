@@ -1,48 +1,14 @@
-"""The delta-rule kernels under the values: routing, chunk splitting, the site registry.
+"""The delta-rule kernels under the values: dispatch, routing, the site registry.
 
-The delta rule itself (every token's state, one token's read) is `deltalang.deltarule`;
-its names are re-exported here (`kernels.per_token`, `kernels.read_state`, ...).
-
-transformers calls a family's kernels as globals of its modeling module
-(`torch_chunk_gated_delta_rule` for a prompt, `torch_recurrent_gated_delta_rule`
-for a one-token decode step, `causal_conv1d_fn` / `causal_conv1d_update` for the
-short convolution). `install(family)` rebinds those four names to thin
-dispatchers. Outside an nnsight trace, or inside one that asks for nothing of a
-mixer, a dispatcher calls the original function at once. Inside a trace that
-asks for a mixer's values, it hands the call to the running mixer's `Site`
-(`deltalang.mixer.MixerSite`), which serves the values and splits the kernel
-where positions are asked for.
-
-The site registry lives here, below the mixers: a mixer's forward `enter`s its
-site on the stack of running mixers, `current_site()` is what a dispatcher
-asks, and `unwind` / `unwinding()` drop the calls that have ended. A dispatcher
-knows a site only through the `Site` protocol, so this module never imports
-`deltalang.mixer`.
-
-What a dispatcher calls is chosen per call by the tensors' device
-(`deltalang.backends`): the compiled implementation transformers bound (FLA) for
-CUDA tensors, the torch reference for others.
-
-Packed sequences (`cu_seqlens` / `cu_seq_lens_q`, several in one row) are never
-merged, nor served where transformers refuses them: they reach FLA as they are
-(the short convolution, which no implementation keeps apart, one call each), and
-on transformers' torch kernels they are refused (`PackedSequencesError`, a
-`ValueError` like transformers' own refusal). Running the kernels one sequence at
-a time would not make the rest of the model keep them apart: transformers'
-attention mask merges them once a cache is in use, and some families mix
-positions outside their mixers (qwen4_exp's n-gram embeddings, glm5_next's indexed
-attention). Inside a trace that asks for a mixer's values they are refused too.
-
-Because the dispatcher is what the globals hold from the first `load_model` on,
-routing (`route_kernels`) only changes a table the dispatcher reads: it works
-after a model has been traced, and even inside a forward nnsight has compiled
-with a copy of the module's globals.
-
-Process-wide state, restored exactly: `uninstall(family)` puts back the very
-functions transformers bound (a dispatcher found in their place, from an
-earlier copy of this module, is unwrapped), and touches no other family's
-module; `routed(family, route)` routes for a `with` block and then restores
-the route that was in force before it, not `"default"`.
+`install(family)` rebinds the kernel globals of a family's modeling module (`torch_chunk_gated_delta_rule`,
+`torch_recurrent_gated_delta_rule`, `causal_conv1d_fn`, `causal_conv1d_update`, or the family's own names)
+to thin dispatchers; `uninstall(family)` puts back exactly what transformers bound. A dispatcher calls the
+bound function at once unless a running mixer's `Site` (`current_site()`, entered by the mixer's forward;
+known only through the `Site` protocol, so `mixer` is never imported) asks for values: then the site
+serves the call. The function called is chosen per call by device (`backends`). `route_kernels` and
+`routed(family, route)` change a table the dispatchers read (a `with` block restores the route before it).
+Packed sequences are never merged: passed to FLA as they are, refused on the torch kernels
+(`PackedSequencesError`) and in a trace that asks for values. `deltarule`'s names are re-exported.
 """
 
 from __future__ import annotations
