@@ -1,20 +1,11 @@
 """The measures a program can ask for, computed from a run's saved logits or a read site.
 
-Each takes the next-token logits `[b, s, vocab]` (or `[b, vocab]`) of a run and
-returns a float per prompt (a plain float for one prompt); `norm` takes a read value.
-`top(logits, k)` is the one measure that is not a number: a `TopK` (the k most likely
-next tokens' ids and probabilities, `[b, k]` each, most likely first).
-
-A `Reduction` (the language's `.head(k)`, `.norm(AXES)`, `.mean(AXES)`, `.project(D)` on a site) is a
-chain of steps over a value's named axes (`values.axes`): applied to a whole value (`Reduction(x)`), or
-streamed a block of positions at a time (`Reduction.stream`), so that the value layer reduces `states`
-a group of chunks at a time and never holds `[b, s, heads, key_dim, value_dim]`. `reduced_axes` is the
-one statement of which axes a chain leaves (the resolver checks a program with it).
-
-The one dispatch from a measure's kind to its function and arguments: `arguments()`
-(the token ids or the reference run's logits after the run's own input), used both
-by the code `emit` writes (`measures.prob(results[...], 123)`) and, through
-`evaluate()`, by the sweep engine.
+Each takes next-token logits `[b, s, vocab]` (or `[b, vocab]`) and returns a float per prompt (a plain float
+for one); `norm` takes a read value; `top(logits, k)` returns a `TopK` (ids and probabilities, most likely
+first). A `Reduction` (`.head(k)`, `.norm(AXES)`, `.mean(AXES)`, `.project(D)`) is a chain of steps over a
+value's named axes, applied whole or streamed a block of positions at a time (`Reduction.stream`);
+`reduced_axes` says which axes a chain leaves. `arguments()` / `evaluate()` are the one dispatch from a
+measure's kind to its function, used by emitted code and the sweep engine alike.
 """
 
 from __future__ import annotations
