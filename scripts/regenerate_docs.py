@@ -1,17 +1,18 @@
-"""Regenerate every output README.md and docs/language.md show, from what deltalang prints now.
+"""Regenerate every output README.md and the pages of docs/ show, from what deltalang prints now.
 
     python scripts/regenerate_docs.py            # rewrite the pages in place
     python scripts/regenerate_docs.py --check    # exit 1 and list the outputs that differ (as text)
 
-What a page shows, and how it is paired with its program (tests/test_docs.py reads the same pairs):
-- docs/language.md: a `text` block right after a `dl` block, whose first line is `$ deltalang COMMAND FILE ...`,
-  is what COMMAND prints for that program written to FILE, in a fresh directory holding the page's data
-  blocks (info string `jsonl FILE`, `csv FILE`, `tsv FILE`); stdout when it succeeds, stderr when it fails.
-- README.md: a fenced block whose first line is `$ deltalang ...` is what that command prints, run from the
-  repository root (the files it names are the repository's); and the "Examples" section's block holds, under
-  each `== deltalang run examples/FILE.dl`, what that command prints.
+What a page (`PAGES`) shows, and how it is paired with its program (tests/test_docs.py reads the same pairs):
+- a `text` block right after a `dl` block, whose first line is `$ deltalang COMMAND FILE ...`, is what COMMAND
+  prints for that program written to FILE, in a fresh directory holding the page's data blocks (info string
+  `jsonl FILE`, `csv FILE`, `tsv FILE`); stdout when it succeeds, stderr when it fails;
+- any other fenced block whose first line is `$ deltalang ...` is what that command prints, run from the
+  repository root (the files it names are the repository's); a block of `== deltalang run examples/FILE.dl`
+  parts holds, under each, what that command prints.
 
-Each command runs in this process (`deltalang.cli.main`), on the bundled model.
+Each command runs in this process (`deltalang.cli.main`), on the bundled model. docs/benchmarks.md is not a
+page here: its tables are measurements, rerun by the commands it gives.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 README, LANGUAGE = ROOT / "README.md", ROOT / "docs" / "language.md"
+PAGES = (README, ROOT / "docs" / "examples.md", LANGUAGE, ROOT / "docs" / "attribution.md", ROOT / "docs" / "gpu.md",
+         ROOT / "docs" / "mamba2.md")
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 ERROR_LINE = re.compile(r"^\S+:\d+:\d+: error: ", re.M)
 
@@ -49,7 +52,7 @@ class Shown(NamedTuple):
 
 
 def language_outputs(text: str) -> list[Shown]:
-    """docs/language.md's outputs: each `$ deltalang ...` text block right after a `dl` block."""
+    """A page's outputs of its own programs: each `$ deltalang ...` text block right after a `dl` block."""
     fences = list(FENCE.finditer(text))
     out = []
     for m, nxt in zip(fences, fences[1:]):
@@ -74,7 +77,7 @@ def data_files(text: str) -> dict[str, str]:
 
 
 def readme_outputs(text: str) -> list[Shown]:
-    """README.md's outputs: blocks starting `$ deltalang ...`, and each `== deltalang run ...` of its Examples."""
+    """Outputs run from the root: blocks starting `$ deltalang ...`, and each part of an `== deltalang run` block."""
     out = []
     for m in FENCE.finditer(text):
         first, _, rest = m[2].partition("\n")
@@ -118,10 +121,12 @@ def printed(page: Path, shown: Shown, data: dict[str, str]) -> tuple[int, str]:
 
 
 def outputs(page: Path) -> tuple[list[Shown], dict[str, str]]:
+    """A page's shown outputs in page order (a program's own, then those run from the root), its data files."""
     text = page.read_text(encoding="utf-8")
-    if page == LANGUAGE:
-        return language_outputs(text), data_files(text)
-    return readme_outputs(text), {}
+    paired = language_outputs(text)
+    taken = {s.start for s in paired}
+    rooted = [s for s in readme_outputs(text) if s.start not in taken]
+    return sorted(paired + rooted, key=lambda s: s.start), data_files(text)
 
 
 def regenerate(page: Path, check: bool, say: Callable[[str], None] = print) -> int:
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="say which outputs differ; change nothing")
     args = parser.parse_args(argv)
     os.environ.setdefault("COLUMNS", "200")
-    changed = sum(regenerate(page, args.check) for page in (README, LANGUAGE))
+    changed = sum(regenerate(page, args.check) for page in PAGES if page.exists())
     print(f"{changed} output(s) {'differ' if args.check else 'regenerated'}", file=sys.stderr)
     return 1 if args.check and changed else 0
 

@@ -9,9 +9,10 @@ decimal number to one unit of its last printed digit, the only slack: float32 su
 between CPUs): stdout when the command succeeds, stderr when it fails, and it must fail
 (exit 1) exactly when the shown output has an `error:` line. Every other program must check
 without an error or warning and run. README.md's outputs (each block starting `$ deltalang ...`
-and its Examples section) are compared the same way, run from the repository root.
-`python scripts/regenerate_docs.py` rewrites every shown output of both pages from what
-deltalang prints now; its pairing of programs with outputs is the one tested here.
+and `== deltalang run` blocks), and those of the other pages of docs/ (scripts/regenerate_docs.py's
+`PAGES`), are compared the same way, run from the repository root; a `dl` block opening with
+`# examples/FILE.dl` must be that file. `python scripts/regenerate_docs.py` rewrites every shown
+output from what deltalang prints now; its pairing of programs with outputs is the one tested here.
 
 The page's statements about units are checked against transformers itself
 (`tests/reference.py`), never against deltalang's own output; and every statement,
@@ -177,24 +178,66 @@ def test_the_script_pairs_programs_and_outputs_as_the_test_does() -> None:
     assert [(s.command, s.shown, s.program) for s in page] == [(e.command, e.shown, e.program) for e in SHOWN]
 
 
-README_SHOWN = regen.readme_outputs((ROOT / "README.md").read_text(encoding="utf-8"))
+# Every page's outputs run from the repository root (README.md, docs/examples.md, ...), and programs of pages
+# other than docs/language.md followed by their output.
+PAGES = [p for p in regen.PAGES if p.exists()]
+ROOTED = [(p, s) for p in PAGES for s in regen.outputs(p)[0] if s.program is None]
+PAIRED = [(p, s) for p in PAGES if p != DOC for s in regen.outputs(p)[0] if s.program is not None]
+README_SHOWN = [s for p, s in ROOTED if p.name == "README.md"]
 
 
-def test_the_readme_shows_outputs_of_every_kind() -> None:
-    commands = {s.command[0] for s in README_SHOWN}
-    assert {"check", "run", "emit"} <= commands and any(s.fails for s in README_SHOWN)
-    examples = {s.command[1] for s in README_SHOWN if s.command[0] == "run"}
+def test_the_readme_and_docs_show_outputs_of_every_kind() -> None:
+    assert {"check", "run"} <= {s.command[0] for s in README_SHOWN} and any(s.fails for s in README_SHOWN)
+    assert "emit" in {s.command[0] for _, s in ROOTED}
+    examples = {s.command[1] for _, s in ROOTED if s.command[0] == "run"}
     assert {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.dl")
             if not p.stem.startswith("sweep") and p.stem != "causal_trace"} <= examples
 
 
+def _page_id(item: tuple[Path, regen.Shown]) -> str:
+    return f"{item[0].stem}-line{item[1].line}-{'-'.join(item[1].command[:2])}"
+
+
 @bundled
-@pytest.mark.parametrize("shown", README_SHOWN, ids=lambda s: f"line{s.line}-{'-'.join(s.command[:2])}")
-def test_the_readme_shows_what_deltalang_prints(shown: regen.Shown) -> None:
+@pytest.mark.parametrize("item", ROOTED, ids=_page_id)
+def test_every_page_shows_what_deltalang_prints(item: tuple[Path, regen.Shown]) -> None:
+    _, shown = item
     rc, got = regen.run_command(shown.command, ROOT)
     assert "Traceback" not in got and "internal error" not in got
     assert rc == (1 if shown.fails else 0), got
     compare(got, shown.shown)
+
+
+@bundled
+@pytest.mark.parametrize("item", PAIRED, ids=_page_id)
+def test_every_pages_programs_print_what_it_shows(item: tuple[Path, regen.Shown]) -> None:
+    page, shown = item
+    rc, got = regen.printed(page, shown, regen.data_files(page.read_text(encoding="utf-8")))
+    assert "Traceback" not in got and "internal error" not in got
+    assert rc == (1 if shown.fails else 0), got
+    compare(got, shown.shown)
+
+
+SHOWN_FILE = re.compile(r"\A# (examples/\w+\.dl)\n")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_a_shown_example_file_is_that_file(page: Path) -> None:
+    """A `dl` block opening `# examples/FILE.dl` shows FILE as it is, less its opening comment."""
+    for m in FENCE.finditer(page.read_text(encoding="utf-8")):
+        head = SHOWN_FILE.match(m[2])
+        if m[1].strip() == "dl" and head:
+            body = (ROOT / head[1]).read_text(encoding="utf-8").split("\n")
+            while body and (body[0].startswith("#") or not body[0].strip()):
+                body.pop(0)
+            assert m[2][head.end():] == "\n".join(body), f"{page.name} shows {head[1]} otherwise than the file"
+
+
+def test_the_shown_file_check_can_fail(tmp_path: Path) -> None:
+    fake = tmp_path / "x.md"
+    fake.write_text("```dl\n# examples/eiffel.dl\nprompt clean = \"x\"\n```\n", encoding="utf-8")
+    with pytest.raises(AssertionError):
+        test_a_shown_example_file_is_that_file(fake)
 
 
 def backticked(text: str) -> list[str]:

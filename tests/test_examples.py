@@ -1,6 +1,6 @@
-"""Every example runs on the bundled model and prints what the README's "Examples" section shows.
+"""Every example runs on the bundled model and prints what the README and docs/examples.md show.
 
-The README's block of `deltalang run examples/FILE.dl` outputs is the claim: each
+The pages' `deltalang run examples/FILE.dl` outputs are the claim: each
 line of each example's printed summary must match it, text exactly and each
 decimal number to one unit of its last printed digit (the printed precision; the
 numbers are fixed facts of the shipped weights in float32).
@@ -9,6 +9,7 @@ numbers are fixed facts of the shipped weights in float32).
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,18 +26,17 @@ DECIMAL = re.compile(r"(?<![\w.])-?(?:\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+)(?![\w
 
 
 def readme_outputs() -> dict[str, list[str]]:
-    """{example stem: its printed lines} from the README's "Examples" section."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Examples", 1)[1]
-    block = section.split("```", 2)[1]
+    """{example stem: its printed lines} from the `deltalang run examples/FILE.dl` outputs README.md and docs/ show
+    (paired by scripts/regenerate_docs.py, the script that writes them)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import regenerate_docs as regen
+
     out: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in block.splitlines():
-        m = re.fullmatch(r"== deltalang run examples/(\w+)\.dl", line.strip())
-        if m:
-            current = out.setdefault(m[1], [])
-        elif current is not None and line.strip():
-            current.append(line.rstrip())
+    for page in (p for p in regen.PAGES if p.exists()):
+        for shown in regen.outputs(page)[0]:
+            m = re.fullmatch(r"examples/(\w+)\.dl", shown.command[1]) if len(shown.command) == 2 else None
+            if shown.program is None and shown.command[0] == "run" and m:
+                out.setdefault(m[1], [line.rstrip() for line in shown.shown.splitlines() if line.strip()])
     return out
 
 
