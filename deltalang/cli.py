@@ -421,9 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="add (patched - corrupted) / (clean - corrupted) of each logit measure")
             p.add_argument("--naive", action="store_true", help="run every cell as a full forward (the reference)")
         if name in ("run", "sweep"):
-            p.add_argument("--align", default=None, metavar="FIELD",
-                           help="a sweep over a dataset: count a per-token measure's positions from this field's "
-                                "token (facts.subject, facts.subject[0]; default -1: each record's end)")
+            p.add_argument("--align", metavar="FIELD", help="a sweep over a dataset: count a per-token measure's "
+                           "positions from this field's token (facts.subject; default -1: each record's end)")
             p.add_argument("--attribution", action="store_true", help="estimate every cell from gradients")
             p.add_argument("--steps", type=int, default=None, help="attribution: points of the path (0: plain)")
             p.add_argument("--refine", type=int, default=None, help="attribution: run the top K cells exactly")

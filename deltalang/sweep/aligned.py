@@ -133,3 +133,17 @@ def per_token_lines(stats: Sequence[Any], align: str | None, shown: int = 8) -> 
         lines.extend(f"  {c.position:24} mean {c.stats.mean:.4f}  std {c.stats.std:.4f}  n {c.stats.n}  "
                      f"95% CI [{c.stats.ci_low:.4f}, {c.stats.ci_high:.4f}]" for c in near)
     return lines
+
+
+def aligned_records(program: ast.Program, ds: Dataset, good: list[tuple[Record, Resolved]],
+                    skipped: tuple[tuple[int, str], ...], align: str | None, spec: ModelSpec, strict: bool
+                    ) -> tuple[bool, Alignment, list[tuple[Record, Resolved]], tuple[tuple[int, str], ...]]:
+    """(whether a sweep measures a number per token, the alignment, the records to run, those left out): with
+    per-token measures each record's anchor is found (`anchored`); `align` without them is an error."""
+    alignment = Alignment.parse(align, ds)
+    if any_per_token(good[0][1]):
+        return (True, alignment, *anchored(program, ds, good, skipped, alignment, spec, strict))
+    if align is not None:
+        raise DeltaError(f"align={align!r} names where a per-token measure's positions are counted from, and no "
+                         f"sweep of the program measures one number per token: drop it")
+    return False, alignment, good, skipped

@@ -61,7 +61,7 @@ from ..resolve import resolve_records
 from ..resolve.dataset import axis_positions, field_prompt, measure_label
 from ..results import save_atomically
 from .aligned import COLUMNS as TOKEN_COLUMNS
-from .aligned import Alignment, anchored, any_per_token, per_token_lines
+from .aligned import Alignment, aligned_records, per_token_lines
 from .aligned import offset as _offset
 from .aligned import order as token_order
 from .attribution import Method, method_of
@@ -246,13 +246,7 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                             resume=resume, batch_size=batch_size, engine=engine, console=_console_for(progress,
                             console), on_record=on_record)
     norm = Normalise.parse(normalise)
-    tokens = any_per_token(good[0][1])
-    alignment = Alignment.parse(align, ds)
-    if tokens:  # each record's anchor: a record without one is left out (--strict: the error)
-        good, skipped = anchored(program, ds, good, skipped, alignment, model.spec, strict)
-    elif align is not None:
-        raise DeltaError(f"align={align!r} names where a per-token measure's positions are counted from, and no "
-                         f"sweep of the program measures one number per token: drop it")
+    tokens, alignment, good, skipped = aligned_records(program, ds, good, skipped, align, model.spec, strict)
     axes = template_axes(program, good[0][1])
     variables = list(dict.fromkeys(v for a in axes.values() for v, _ in a))
     columns = ["record", "line", *ds.fields, "sweep", *variables, "measure", *(TOKEN_COLUMNS if tokens else ()),
