@@ -1,19 +1,11 @@
 """Reads of `state_after(t)` served beside the forward's unchanged kernel call: `read_only`, `serve_reads`.
 
-An observation must not change what it observes: when no worker waits to write a state, the forward's
-delta-rule call runs once over the whole prompt, exactly as without the trace, and the state after t is
-computed on the side by the same kernel over the prefix tokens' inputs (what transformers' cache after t+1
-tokens holds): each position from the prefix alone, whatever else is read, so a read's value does not
-depend on the other reads either. Requests at one position share one side call (their rows stacked); the
-state after the call's last token is the forward call's own final state.
-
-A worker that writes the state it was served (`*= 0.5`: a read, then a write of the same location) splits
-its own rows there, as a write must: their token t reads the written state, the kernel runs again from
-t+1 for those rows, and their later reads start from the written state. A write waiting from the start
-(`read_only` false) is the split of `state`/`rows` instead, which costs no extra call.
-
-Contract: `read_only(call)`; `serve_reads(call, fn, out, final, initial, step, inputs, l2)` returns the
-head outputs, the final state and each row group's segments `(start, end, state at start)`.
+Invariant: a read never changes the forward. When no worker waits to write, the delta-rule call runs
+once over the whole prompt as without the trace, and the state after t comes from the same kernel over
+the prefix (what transformers' cache after t+1 tokens holds), independent of other reads; requests at one
+position share one side call. A worker that writes what it was served (`*= 0.5`) splits its own rows there.
+`read_only(call)`; `serve_reads(call, fn, out, final, initial, step, inputs, l2)` returns the head
+outputs, the final state and each row group's segments `(start, end, state at start)`.
 """
 
 from __future__ import annotations
