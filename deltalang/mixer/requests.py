@@ -1,18 +1,10 @@
 """nnsight scheduling for a mixer's values: which workers wait on what, serving them, asked positions.
 
-nnsight runs a trace body as a worker that parks on a *location* string until
-the model reaches it. A module's `.output` is one such location; the values of
-DESIGN section 1 are more: each is `"{mixer path}.{value}"`, and
-`state_after(t)` is `"{mixer path}.state_after.{t}"` (`"...@{row}"` for an
-invoke's rows). `Requests` is the part of `MixerSite` that reads the running
-trace: whether anything waits on this mixer (`active`), the generation step of
-this call (`step`), handing a value to its waiting workers (`serve`), and the
-positions workers wait on (`positions`). Writes the sweep engine applies without
-a trace (`MixerSite.direct`) are served as requests named `"...!direct"`.
-
-Steps: nnsight counts a location's visits. A value here is visited once per
-call of the mixer, so its visit count is the generation step: step 0 is the
-prompt, step k the k-th new token, whichever kernel ran.
+A value is an nnsight location `"{mixer path}.{value}"` (`"{mixer path}.state_after.{t}"`, `"...@{row}"`
+for an invoke's rows, `"...!direct"` for the sweep engine's writes without a trace). `Requests`, part of
+`MixerSite`, says whether anything waits on this mixer (`active`), this call's generation step (`step`:
+the location's visit count; 0 is the prompt, k the k-th new token), hands a value to its workers
+(`serve`) and lists the positions they wait on (`positions`).
 """
 
 from __future__ import annotations
