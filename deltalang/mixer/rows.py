@@ -1,42 +1,14 @@
 """Rows of one delta-rule call that ask for different positions, split apart: `split_by_rows`.
 
-`DeltaRuleCall._split` runs the whole batch in segments ending at every asked
-position. When the rows of a call ask for different positions (the records of a
-dataset, each at its own subject, left-padded to one length; the engine's cells
-writing at their own positions), every row would be cut at every row's
-positions, and each cut is a kernel call (the chunked kernel pads a short
-segment to a whole chunk). Here the rows are grouped by the positions they ask
-for, each group is cut only where it asks, and the groups advance together in
-rounds: in a round every group with a position still to reach runs its next
-segment, and one kernel call runs the segments of a round that take the same
-number of chunks (a chunked kernel pays whole chunks of 64 tokens a row), each
-right-aligned behind neutral tokens (zero queries, keys, values, betas and log
-decays: the state passes through them unchanged, their outputs are dropped); a
-last round runs every group to the end. A dataset's forward is then a few
-kernel calls per block, not two per record, for the same chunks. The values are the same to float summation noise:
-each row's segments are the kernel over the same tokens from the same states.
-
-Groups: the invokes of a trace (rows of one nnsight invoke ask together; their
-requests are named `...@FIRST_ROW`), or, without a trace, the rows of the
-engine's direct writes (`MixerSite.direct`), grouped by the positions they write.
-
-An invoke's worker is served its own rows' state, not a full-batch tensor:
-nnsight narrows only tensors whose first dimension is the batch's, so this one
-passes to the worker as it is, and the worker's write comes back as it is (a
-full-batch tensor would cost nnsight a copy of the whole batch's states per
-write: at 32 records of a 0.8B-shaped model, 32 MiB per record and block). A
-saved state is then the invoke's own rows. The engine's direct writes index the
-batch's rows, so their groups get a full-batch buffer instead, shared by the
-groups of a call (one per k-th state a group is served), each filling its own
-rows: a buffer per group would keep groups x batch states alive per block.
-
-Contract: `split_by_rows(call, run_aligned, s, initial, step, query, l2)` returns the
-head outputs and final states of the whole batch and each group's rows with its
-segments `(start, end, state at start)` (for `states_as_run`), or None when the rows
-cannot or need not be told apart (one group; a request for every row); then the
-caller runs `_split` as before. `run_aligned(parts, states)` runs one kernel call
-over `parts` (rows, start, end), each right-aligned to the longest, from `states`
-(one per part, None: zeros), and gives the outputs `[rows, longest, ...]` and final states.
+Rows are grouped by the positions they ask for (a trace's invokes, requests named `...@FIRST_ROW`; or the
+engine's direct writes); each group is cut only where it asks, and the groups advance in rounds, the
+segments of a round taking the same number of chunks sharing one kernel call, right-aligned behind
+neutral tokens (their outputs dropped, the state unchanged through them). Values equal each row's own to
+float noise. An invoke's worker is served its own rows' state; the engine's direct writes one shared
+full-batch buffer. `split_by_rows(call, run_aligned, s, initial, step, query, l2)` returns the batch's
+head outputs and final states and each group's rows and segments `(start, end, state at start)`, or None
+where one split serves (the caller runs `_split`). `run_aligned(parts, states)` runs one kernel call over
+`parts` (rows, start, end) right-aligned to the longest. Why rounds and own rows: ARCHITECTURE.md.
 """
 
 from __future__ import annotations
