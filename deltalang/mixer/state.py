@@ -1,20 +1,11 @@
 """One delta-rule call of a mixer: reads served beside it, the call split where a write waits.
 
-The values are served from inside the kernel call (see `deltalang.kernels`):
-the kernel's inputs are the queries, keys, values, decays and betas; its initial
-state is `state_input`; its outputs are the head outputs and `state_output`.
-A trace that only reads runs the call unchanged (its logits are those of the
-same trace without the reads, bit for bit): `states` comes from the chunked rule
-(`deltalang.deltarule`) beside it, `state_after(t)` from the kernel over the
-prefix (`reads`). Where a worker waits to write `state_after`, the call is split
-lazily: before running the prompt, the site looks at which positions a worker is
-parked on, runs the chunked kernel up to the first, serves (and maybe replaces)
-the state there, looks again, and continues with `initial_state` from it.
-
-The kernel split is the one `deltalang.kernels` chose for the call's device
-(flash-linear-attention's on CUDA tensors where it is installed, transformers'
-torch reference elsewhere: `deltalang.backends`); every segment is one call of it.
-A packed call (`cu_seqlens`) is refused with a one-line error, never merged.
+The kernel's inputs are the queries, keys, values, decays and betas, its initial state `state_input`, its
+outputs the head outputs and `state_output`. A trace that only reads runs the call unchanged (the same
+logits bit for bit): `states` from the chunked rule (`deltarule`) beside it, `state_after(t)` from the
+kernel over the prefix (`reads`). Where a worker waits to write, the call is split lazily: run to the
+first parked position, serve (and maybe replace) the state, look again, continue with `initial_state`.
+Every segment is one call of the kernel `kernels` chose for the device; a packed call is refused.
 """
 
 from __future__ import annotations
