@@ -4,29 +4,12 @@
     read L1.state_after(-1) as s
     measure prob(" Paris")
 
-Contract: the cell is a `.dl` program; the magic's line takes the options of
-`deltalang run` and `deltalang sweep` (the command line's own parser, `cli.build_parser`:
-`--prompt`, `--model`, `--device`, `--dtype`, `--device-map`, `--out`, `--strict`,
-`--normalise`, `--batch-size`, `--resume`, `--naive`, `--debug`), and `-o NAME` stores
-the result in the notebook's variable NAME. `--model NAME` may also name a notebook
-variable holding a `DeltaModel` (`model = deltalang.load_model()`): the cell runs on
-that model; otherwise models load once per kernel (`compiled.get_model`).
-
-Loading the extension quiets transformers as the command line does (errors only, no
-progress bars: their notebook form needs ipywidgets and prints a warning without them).
-The cell runs as `deltalang run` would: a program over a dataset gives `DatasetResults`,
-a program with sweeps a `SweepOutcome` (its tables, with heatmaps, and every result;
-the progress is one line updated in place), any other program `Results`. The value is
-the cell's output (shown as HTML) and, with `-o`, the variable's. `--out DIR` saves what
-the command saves.
-
-Whatever the line or the cell holds, a mistake shows as the command line shows it, and
-never as a traceback: a DeltaError as `<cell>:line:col: error: message` with the
-program's line and a caret (its notes below); an option the parser refuses as one
-`error: %%deltalang: ...` line. The cell then fails (it stops "run all"). DeltaWarnings
-show rendered the same way, on stderr, and the cell goes on. Any other exception is a
-bug in deltalang, shown as the command line shows it (one line; the traceback with
-`--debug`).
+The cell is a `.dl` program; the line takes the options of `deltalang run` and `deltalang sweep`
+(`cli.build_parser`), `-o NAME` stores the result in a notebook variable, and `--model NAME` may name a
+variable holding a `DeltaModel` (else models load once per kernel). The value (shown as HTML) is what
+`deltalang run` gives: `Results`, `DatasetResults` or a `SweepOutcome`. A mistake shows as on the command
+line, never a traceback (`<cell>:line:col: error: ...` with a caret; a refused option as one line), and
+the cell fails; warnings show the same way and the cell goes on. Loading the extension quiets transformers.
 """
 
 from __future__ import annotations
