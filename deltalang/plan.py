@@ -1,43 +1,16 @@
 """From a resolved program to an ordered plan of forward passes: `build_plan()` (printed by `explain`).
 
-The planner makes three decisions, each a small function below:
-
-1. `collect_runs` — which runs exist: the program's traces and generates, the
-   implicit clean runs of prompts named in `from`, one run per text of a
-   `mean(...)`, and the donor reads each write needs from another run.
-2. `order_runs` — a networkx graph of runs with an edge from each donor to
-   the run that uses its value; a cycle is an error naming the statements in
-   it; `nx.topological_generations` groups the runs into stages whose members
-   need nothing of each other.
-3. `batch_stage` — the traces of a stage with the same kernel route and the
-   same number of tokens share one forward (one nnsight invoke each); each
-   generate gets its own. On a model whose left-padded forward transformers
-   cannot run (`batches.padding_refused`) only runs of one length share one,
-   and the pass says why (`Pass.apart`, printed by `emit --plan`).
-
-Batching never changes a result. Traces of one stage share a forward whatever
-their lengths: the shorter runs are left-padded, as transformers pads a batch,
-and every value is still the run's own. Padded positions are masked out of the
-attention layers and zeroed before each DeltaNet block (so its state and
-convolution window stay at zero until the run's first token, as for the run
-alone); the value layer maps each run's positions past its padding
-(`MixerSite.pads`), and the emitted code takes the model-level per-token values
-(`output`, `logits`) of a shorter run as its last `n_tokens` positions
-(`Pass.padded`). tests/test_batching.py checks every family against each run
-alone in transformers.
-
-Steps of a generate: a statement without `step K:` applies at every step, a
-read and a measure as much as a write (one per step, named `RUN.step<k>...`).
-A value taken from another run is that run's value at the same step when it is
-a generate (`from G`, `kl(G)`); a trace is one forward over its prompt, which
-matches a generate's step 0 only, so naming a trace (or a step past the other
-generate's last) at a later step is an error, as is a per-token value from a
-trace written at a decode step.
-
-Inside a run, `sort_ops` puts every op in the order the forward reaches it:
-step, block, the mixer's own order (`deltalang.values.CATALOGUE[...].order`),
-position, and a write before a read of the same site, so the read observes the
-written value. A user never meets OutOfOrderError.
+1. `collect_runs`: the program's traces and generates, implicit clean runs of prompts named in `from`,
+   one run per text of a `mean(...)`, and the donor reads each write needs;
+2. `order_runs`: a graph from each donor to the run that uses it; a cycle is an error naming its
+   statements; topological generations are the stages;
+3. `batch_stage`: a stage's traces of one kernel route share one forward (an invoke each, the shorter
+   left-padded; only equal lengths where `batches.padding_refused`, `Pass.apart` says why); each generate
+   gets its own.
+Invariant: batching never changes a value (every value is the run's own; `tests/test_batching.py`). Under
+a generate a statement without `step K:` applies at every step; a value from another generate is its
+value at the same step, and a trace matches step 0 only. `sort_ops` orders a run's ops as the forward
+reaches them (step, block, `values.CATALOGUE` order, position, a write before a read of the same site).
 """
 
 from __future__ import annotations
