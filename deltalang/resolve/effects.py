@@ -1,18 +1,10 @@
 """What a write can change: a write no later computation reads (a warning), a state that does not exist (an error).
 
-`check_write()` looks at one write target in its run. In one forward, nothing
-after the last token reads `state_output` (the state a next call would start
-from) or `conv_window_after` the last token (what tokens after it would see
-through the convolution): such a write leaves every number of the run as it
-was, and a researcher would read "no effect" as a finding, so it is a
-`DeltaWarning`. Under `generate` both carry into the next step; only at the
-last step does nothing read them. Every other writable value is read by the
-forward after it (`state_after(t)` by token t's own output, the per-token
-values by the tokens' outputs). `state_input` is none on a fresh prompt (a
-trace, a sweep, step 0 of a generate): a write that acts on it (`= zeros`,
-`*= K`, `+= ...`) or a donor's `state_input` there has nothing to act on, an
-error. The warnings wait for every run (`warn_unread`): a read or norm of the written value in its run,
-or a donor taking it from there, reads it. Depends on `ast`, `ir` and `scope` only.
+`check_write()` looks at one write target in its run. A write of `state_output` or of `conv_window_after`
+the last token leaves every number of a forward as it was (only a next generate step reads them): a
+`DeltaWarning`, unless something in the run reads the written value (`warn_unread`, after every run is
+resolved). A write that acts on `state_input` (`= zeros`, `*= K`, `+= ...`) or a donor's `state_input`
+where none exists (a trace, a sweep, step 0) is an error. Depends on `ast`, `ir` and `scope` only.
 """
 
 from __future__ import annotations
