@@ -1,24 +1,11 @@
 """The results of a program by name (`Results`), and where they may be saved (`check_out_dir`).
 
-`Results` maps each result name to its value: a tensor for a read, a float (or
-a per-prompt tensor) for a measure, token ids for `read tokens`. `summary()`
-prints them as `deltalang run` does, decoding tokens with the model's tokenizer
-when one is given; `kinds` and `token_labels` (what each result holds, the run's
-tokens of a per-token measure) only shape that display: shapes carry the axis
-names of `values.CATALOGUE` (`[b=1, heads=4, key_dim=32, value_dim=32]`), norms
-are named (`‖·‖F`, the Frobenius norm, and over which axes), and a KL below 0 (float
-noise) shows as 0 (`shown_value`, which the sweep tables use too); values stay raw.
-
-A `top(k)` measure is a `measures.TopK`: the summary prints its tokens and probabilities
-(`t.top(3)   ' Paris' 0.412, ' Rome' 0.12, ...`, 3 significant digits); a save stores its `NAME.ids` and
-`NAME.probs` tensors in `results.safetensors` and the decoded tokens under `top` in `results.json`.
-
-`Results.save(DIR)` writes every result (each tensor an independent copy, so
-values that share storage save; no `results.safetensors` without tensors), each
-file with the mode the umask gives; `check_out_dir` finds, touching
-nothing, whatever would stop a save in DIR, so the commands refuse such an
-`--out` before the model loads. `results.json` records the versions that
-produced it (`_versions`).
+`Results` maps each result name to its value: a tensor for a read, a float (or per-prompt tensor) for a
+measure, token ids for `read tokens`, a `measures.TopK` for `top(k)`. `summary()` prints them as
+`deltalang run` does (shapes with the catalogue's axis names, norms named, a KL below 0 shown as 0:
+`shown_value`); values stay raw. `save(DIR)` writes `results.safetensors` (each tensor an independent
+copy; none without tensors) and `results.json` (with the versions that produced it). `check_out_dir`
+finds, touching nothing, whatever would stop a save, so commands refuse such an `--out` before loading.
 """
 
 from __future__ import annotations
