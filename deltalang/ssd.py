@@ -1,24 +1,15 @@
 """The Mamba-2 (SSD) scan itself, for what transformers' kernels do not give: every token's state, one token's read.
 
-Mamba-2's recurrence, per head (P = head_dim, N = d_state, heads share B and C within a group):
-    dt_t = clamp(softplus(dt_raw_t + dt_bias), dt_limit)      a_t = A * dt_t  (A = -exp(A_log) < 0)
-    h_t  = exp(a_t) h_{t-1} + (dt_t x_t) ⊗ B_t               [P, N]
-    y_t  = h_t C_t + D x_t                                   [P]
-so a state written after token t changes token t's own output too.
-
-Contract (the arguments are those of transformers' `mamba2_chunk_scan`, its module global `SCAN_GLOBAL`:
-hidden_states `[b, s, h, P]`, dt `[b, s, h]` raw, A `[h]`, B and C `[b, s, g, N]`, D `[h]`, dt_bias `[h]`,
-initial_states `[b, h, P, N]`):
-- `per_token(...)` returns (y `[b, s, h, P]` float32 as transformers' scan returns it, D·x included,
-  states `[b, s, h, P, N]` float32): the state after every token, computed in chunks of `CHUNK` tokens
-  with batched matrix products and a loop over chunks only (never over tokens). `final_state=True`
-  returns (y, the state after the last token `[b, h, P, N]`) without materialising the others.
-- `per_token_loop(...)` is the same recurrence token by token: the tests' plain statement of it.
-- `read_state(C_t, state, x_t, D)` is one token's output `h_t C_t + D x_t` from a (replaced) state.
-- `split(scan, ..., positions, replace)` runs the family's own chunked scan (`scan`, the module global)
-  up to each position t and on from there with `initial_states`, replacing the state after t where
-  `replace` says (and re-reading token t's output from it): exact against an unsplit run when
-  nothing is replaced. Returns (y, the states the scan reached after each position, the final state).
+Per head: h_t = exp(A dt_t) h_(t-1) + (dt_t x_t) ⊗ B_t (`[P, N]`), y_t = h_t C_t + D x_t, so a state written
+after t changes token t's own output. Arguments are those of transformers' `mamba2_chunk_scan`
+(`SCAN_GLOBAL`): hidden_states `[b, s, h, P]`, raw dt `[b, s, h]`, A, B/C `[b, s, g, N]`, D, dt_bias,
+initial_states `[b, h, P, N]`.
+- `per_token(...)` -> (y `[b, s, h, P]` float32, states `[b, s, h, P, N]` float32), in chunks of `CHUNK`
+  with a loop over chunks only; `final_state=True` the last state alone; `per_token_loop` token by token;
+- `read_state(C_t, state, x_t, D)`: one token's output from a (replaced) state;
+- `split(scan, ..., positions, replace)`: the family's own scan cut at each t and continued with
+  `initial_states`, the state replaced where asked; exact against an unsplit run otherwise.
+Design and measurements: docs/mamba2.md.
 """
 
 from __future__ import annotations
