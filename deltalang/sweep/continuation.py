@@ -1,21 +1,11 @@
 """A continuation's block calls, as the model's own forward would make them after a prefix: `recompute`'s half.
 
-Contract. `recompute.run_rows` feeds blocks L.. at positions start.. over a transformers cache of the
-clean prefix; this module says what each block call takes there, read off the clean capture and the
-model's code rather than per family:
-- `masks`: one attention mask per layer type, made by transformers' own mask function for that type
-  (`MASK_MAKERS`: `create_causal_mask`, `create_sliding_window_causal_mask`, `create_recurrent_attention_mask`;
-  an indexer's layer always gets a mask, as the model asks with `allow_is_causal_skip=False`);
-- `call_kwargs`: a block's clean call arguments cut to start..: the cache, a 4-D (or absent) attention mask
-  rebuilt for the block's layer type, per-token `[1, s]` tensors (token ids, a padding mask) and
-  position ids cut, position embeddings cut (kept whole where the model keeps a position history in the
-  cache: an indexer's keys are scored over every position); each expanded to the call's rows;
-- threaded outputs: a block's forward returning a tuple whose later items the model passes to the next
-  block (glm5_next's `prev_topk_indices`) is found in the capture (`threaded`), and fed from the
-  previous block's recomputed output;
-- `tail`: what the decoder's forward does to the residual stream after its blocks (`self.norm(...)`,
-  `self.norm(self.hc_head(...))`, `self.hyper_connection_mixer(...)`), read off that forward's code.
-Anything else is `Unsupported` with its reason (the engine then takes the naive path).
+`recompute.run_rows` feeds blocks L.. at positions start.. over a cache of the clean prefix; this module
+says what each block call takes there, read off the clean capture and the model's code, not per family:
+`masks` (one per layer type, by transformers' own mask functions, `MASK_MAKERS`), `call_kwargs` (a block's
+clean arguments cut to start.. and expanded to the call's rows), threaded outputs (a tuple's later items
+the model passes on, fed from the previous recomputed block: `threaded`), and `tail` (what the decoder
+does after its blocks). Anything else is `Unsupported` with its reason (the engine then runs the naive path).
 """
 
 from __future__ import annotations
