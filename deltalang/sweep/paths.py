@@ -1,23 +1,12 @@
 """The recorded forwards behind attribution: the clean run, the donors, and the gradient passes of each path.
 
-Contract. `record_forward` runs one plain transformers forward recording DeltaNet blocks
-(`gradients.record`); given a measure it also takes that measure's gradients at their kernel and
-convolution outputs. `gradient_runs` gives, per measure, the recordings each variant integrates:
-`plain` (the clean run), and the `k` points of one integrated path (`path_rule`: equal midpoints
-towards a donor; towards zeros or a scale, the Gauss-Radau rule whose fixed node is the clean end, so
-the `plain` gradient is its a = 0 point):
-- "blocks": for each block L, its kernel output shifted by a * (goal - clean), nothing else. The
-  blocks before L are the clean run's, so the pass starts at block L: the clean residual stream
-  entering L (captured by the plain gradient's forward: `plain_runs`) is fed to blocks L.. only
-  (`recompute.run_rows`, from `PathEnds.start`, the first position a path moves), and the backward
-  stops at block L's input. Several blocks' paths share one pass as rows (rows starting at a later
-  block hold the clean stream until there): on a GPU as many as the sweep's memory budget allows, on
-  a CPU up to `CPU_PATH_TOKENS` rows x positions; each block's rows are then its own recording.
-  The same gradients as a whole-model forward with that one shift, to float noise.
-- "outputs": every swept block's output shifted together, one whole-model pass per point;
-- "embeddings": the input embeddings moved from the clean prompt's to the donor's.
-`goal`: the donor's kernel output, or `factor` x the clean one (zeros, scale). Weights get no
-gradient (their `requires_grad` is restored after).
+`record_forward` runs one plain transformers forward recording DeltaNet blocks (`gradients.record`), with
+a measure's gradients when given one. `gradient_runs` gives, per measure, the recordings each variant
+integrates: `plain` (the clean run) and the `k` points of a path (`path_rule`): "blocks" (block L's kernel
+output moved towards the goal, the pass from block L and the first moved position on, over the clean
+stream `plain_runs` captured; several blocks share a pass as rows, up to `CPU_PATH_TOKENS` on a CPU),
+"outputs" (every swept block's output at once) or "embeddings". `goal`: the donor's output, or `factor` x
+the clean one. Weights get no gradient. The derivation: docs/attribution.md.
 """
 
 from __future__ import annotations
