@@ -1,24 +1,13 @@
 """The engine's mechanism: one clean capture, then blocks L.. recomputed at positions t.. over a frozen prefix.
 
-A cell that writes block L at position t cannot change anything before block L,
-nor any position before t. `capture_clean` runs the clean prompt once, keeping
-the residual stream entering every block and each block's call arguments, the
-attention blocks' keys and values, and each DeltaNet block's state and
-convolution window after t-1 for every start position t asked. `run_rows`
-recomputes rows (cells) from their start block at positions start..: a
-transformers cache holds the clean prefix (`_prefix_cache`), block L is fed the
-clean residual entering it at t.., and each row's write is applied inside the
-kernel call by `MixerSite.direct` (positions in the call's own coordinates).
-The final norm and the LM head run at the last position only.
-
-Each block call's arguments, masks and the decoder's tail come from `continuation` (its half: the
-model's own mask functions per layer type, arguments cut to start.., a tuple output's threaded items).
-The prefix cache holds, besides keys/values, states and windows, an indexer's keys and any further
-convolution state a layer keeps (`CacheOf`, recorded as the clean forward updates them).
-
-Isolated here (with `continuation`): the only sweep modules touching transformers' cache internals and
-`model._module` (`device_of`, `dtype_of`, `decoder_config`, `weights_dtype`
-answer the others).
+A cell writing block L at position t changes nothing before block L or position t. `capture_clean` runs
+the clean prompt once, keeping the residual stream entering every block, each block's call arguments,
+the attention keys and values, and each DeltaNet block's state and window after t-1 for every start t
+asked. `run_rows` recomputes rows (cells) from their start block at positions start.. over a cache of the
+clean prefix (`_prefix_cache`, `CacheOf`), each row's write applied inside the kernel call
+(`MixerSite.direct`); the LM head runs at the last position only. With `continuation`, the only sweep
+modules touching transformers' cache internals and `model._module` (`device_of`, `dtype_of`, ... answer
+the others).
 """
 
 from __future__ import annotations
