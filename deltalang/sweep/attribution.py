@@ -1,35 +1,15 @@
 """Attribution over the recurrent memory: every cell of a sweep estimated from a few backward passes.
 
-Contract. `attribute(exp, steps=k, refine=K, exact=run_sweeps, path=...)` takes a compiled program's
-first sweep whose cells write `state_after(t)` and/or `conv_window_after(t)` of the cell's own block
-at the cell's own position (from a donor run, zeros, scale or mean) and measure `prob` or
-`logit_diff` of one-token answers. For every cell it estimates
-    effect(L, t) = M(patched) - M(clean) ~ sum over the cell's writes of <g, W' - W>,
-with W the clean value, W' the written one and g a gradient of M with respect to W
-(`deltalang.gradients`: the change propagates through block L's clean transitions by the delta
-rule's adjoint scan, one block's per-token states at a time, two with the donor's). Variants:
-- `plain`: g at the clean run (first-order attribution patching);
-- `blk<k>` (path "blocks", the default; k = 2 for a donor, 4 for zeros or scale: `default_steps`): for
-  each block L, g integrated along a path by k points of it (`paths.path_rule`: equal midpoints towards
-  a donor; towards zeros or a scale the Gauss-Radau rule, which also takes the clean run's gradient,
-  exact for a gradient polynomial of degree 2k in a), a path on which block L's kernel output moves from
-  the clean run's to the donor's (all of block L's cells together, the rest of the model recomputed;
-  passes from block L on, the k points as rows: `paths.block_paths`). The patch of one cell changes block L's outputs
-  linearly (its inputs do not depend on its state), so the path follows what the patch does
-  downstream, where the response is switch-like; k rows through blocks L.. per block;
-- `out<k>` (path "outputs"): every swept block's output moved together, k passes in all (EAP-IG);
-- `emb<k>` (path "embeddings"): the input embeddings moved from the clean prompt's to the donor's.
-The integrated variants need one donor prompt of the clean prompt's length, or (paths blocks and
-outputs) writes that all zero or all scale by one factor: then the output moves to factor x its
-own (the output of states zeroed or scaled at every token); `steps=0` gives `plain` alone, and
-mean writes or mixed sources get `plain`.
-With `refine=K` the K cells of largest |default estimate| (first measure) run exactly through
-`exact` (the sweep engine, `driver.run_sweeps`), the sweep narrowed to those cells, one sweep per
-block, the engine's clean forward answered from the plain gradient's (`paths.reused_capture`).
-Returns an `Attribution`: rows of estimates (and exact values where refined), the table text and
-`DIR/attribution.csv` with `out`. The model's weights and their grads are left as they were.
-`method_of` reads a sweep's `method attribution [steps K] [refine K] [path P]` (the caller's options
-replace it); `refuse_estimated` keeps the exact engine from running such a sweep cell by cell.
+`attribute(exp, steps=k, refine=K, exact=run_sweeps, path=...)` takes a compiled program's first sweep
+whose cells write `state_after(t)` and/or `conv_window_after(t)` of their own block and position (from a
+donor, zeros, scale or mean) and measure `prob` or `logit_diff`. Each cell's effect M(patched) - M(clean)
+is estimated as the sum over its writes of <g, W' - W> (`gradients`, `paths`), per variant: `plain` (g at
+the clean run), `blk<k>` (the default: g integrated along block L's own path; k = `default_steps`),
+`out<k>`, `emb<k>`; `steps=0`, mean writes or mixed sources give `plain` alone. `refine=K` runs the K
+largest |default estimate| cells exactly through `exact` (the engine). Returns an `Attribution` (rows,
+the table, `DIR/attribution.csv` with `out`); the model's weights and grads are left as they were.
+`method_of` reads a sweep's `method attribution ...`; `refuse_estimated` keeps the exact engine from
+running such a sweep. How to read and when to trust the estimates: docs/attribution.md.
 """
 
 from __future__ import annotations
