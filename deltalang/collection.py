@@ -232,7 +232,8 @@ def load_results(directory: str | Path) -> Collection | Results | SavedTable:
     if (d / "results.csv").is_file():
         cols = (d / "results.csv").read_text(encoding="utf-8").split("\n", 1)[0].split(",")
         kind = "attribution over a dataset" if "variant" in cols or "method" in cols else \
-            "sweep over a dataset" if "sweep" in cols else "run over a dataset"
+            "sweep over a dataset" if "sweep" in cols else "generate over a dataset" if "step" in cols else \
+            "run over a dataset"
         return SavedTable(kind, d / "results.csv")
     for name, kind in (("attribution.csv", "attribution"), ("sweep.csv", "sweep")):
         if (d / name).is_file():

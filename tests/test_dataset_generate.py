@@ -180,6 +180,7 @@ def test_saved_resumed_and_loaded_back(setup: Any, tmp_path: Path) -> None:
         [(r["record"], r["measure"], r["step"]) for r in whole.rows]
     assert [r["value"] for r in resumed.rows] == pytest.approx([r["value"] for r in whole.rows], abs=1e-6)
     loaded = deltalang.load_results(tmp_path / "part")
+    assert repr(loaded).startswith("<deltalang saved generate over a dataset: 60 rows")  # 5 x (8 measures + 4 tokens)
     df, mine = loaded.to_pandas(), resumed.to_pandas()
     assert list(df.columns) == list(mine.columns) == ["record", "line", "prompt", "answer", "measure", "step",
                                                       "value"]
@@ -257,3 +258,19 @@ generate g on facts max_new_tokens 3 {
     assert df["step"].isna().tolist() == back["step"].isna().tolist() and df["step"].isna().any()
     assert df["value"].tolist() == back["value"].tolist()
     assert "g.kl(plain)" in repr(out) and len(repr(out).splitlines()) <= 12
+
+
+def test_a_sampled_generate_runs_each_record_alone_with_its_seed(setup: Any) -> None:
+    """Sampling draws from torch's random state: a record sharing a batch would draw other numbers, so a sampled
+    generate runs alone, and each record's tokens are those of its one-prompt program with the same seed."""
+    model, _, records = setup
+    if model.spec.family.name != "qwen3_5" or "bundled" in model.spec.model_id:
+        pytest.skip("once is enough: the tiny qwen3_5")
+    src = "generate g on facts max_new_tokens 5 temperature 2.0 seed 4 {\n    measure prob(facts.answer)\n}\n"
+    out, groups = _groups(src, model, records)
+    assert max(len(g) for g in groups) == 1
+    greedy, _ = _groups(PLAIN.format(n=5), model, records)
+    for i in range(len(records)):
+        alone = _alone(src.replace("{\n", "{\n    read tokens\n", 1), model, records, i)
+        assert [c["token_ids"] for c in out.continuations if c["record"] == i] == [alone["g.tokens"][0].tolist()]
+    assert [c["token_ids"] for c in out.continuations] != [c["token_ids"] for c in greedy.continuations]
