@@ -1,40 +1,12 @@
 """Check a parsed program against a model's shape and make it concrete: `resolve()`.
 
-The resolver answers every question that needs the model but not its weights
-(a `deltalang.spec.ModelSpec`): which blocks a selector covers, whether a value
-exists on each of them, which token a position means in each run's prompt,
-which run a `from` takes its value from, which token id `prob(" Paris")`
-measures. It reports ALL the errors of a file at once (a `DeltaErrors`, or a
-single `DeltaResolveError`), each pointing at its source.
-
-It never guesses silently. What cannot mean what was written is an error: a
-program with nothing to run; statements outside any run (the implicit trace
-`main`) with several prompts to choose from and neither --prompt nor a prompt
-named `main`; a measured answer that is several tokens, or that the tokenizer
-only knows as its unknown token (prob of `<unk>` is not prob of " Zürich").
-What runs but not exactly as written is a `DeltaWarning` on
-`Resolved.warnings`, naming the tokens chosen: a quoted position that cuts a
-token or lands on the unknown token, a prompt with words the tokenizer does not
-know (how many of how many), a `model "ID"` line other than the model it is
-checked against (the caller's --model or model= wins).
-
-Its output, `Resolved`, is the compiler's input: runs in source order, each with
-one `ResolvedOp` per block and every position a plain non-negative token index.
-Sweeps stay templates (ops whose block or position is a sweep variable) with
-their axes resolved; `ResolvedRun.points()` and `ResolvedRun.instantiate()`
-expand them.
-
-The package, in the order one resolution goes: `scope` (the names, prompts and
-errors one resolution collects, passed to every step), `declare` (the first
-pass: the model line, prompts, runs, `as` names), `runs` (each run's header
-and statements, measures), `sites` (selectors, values, positions), `sources`
-(what a write writes), `dataset` (a program over a dataset). The result types and
-naming rules are `deltalang.ir`'s; prompts become tokens in `deltalang.tokens`.
-
-A program over a dataset (a `dataset` line or a record's field) is not one
-program: `resolve()` refuses it, and `resolve_records()` resolves the plain
-program of each record (`dataset.expand`), the records that alone fail kept
-apart with their errors.
+Input: a parsed program and a `spec.ModelSpec` (config and tokenizer, no weights). Output: `ir.Resolved`,
+runs in source order, each with one `ResolvedOp` per block and every position a token index; sweeps stay
+templates with their axes resolved (`ResolvedRun.points()`, `.instantiate()`). Every error of a file is
+reported at once (`DeltaErrors`), each pointing at its source. Nothing is guessed silently: what cannot
+mean what was written is an error; what runs but not exactly as written is a `DeltaWarning` on
+`Resolved.warnings`. The steps: `scope`, `declare`, `runs`, `sites`, `sources`, `dataset`. A program over
+a dataset is refused by `resolve()`; `resolve_records()` resolves each record's plain program.
 """
 
 from __future__ import annotations
