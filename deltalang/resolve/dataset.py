@@ -4,26 +4,12 @@
     trace t on facts { write L[linear].state_after(facts.subject) from facts.corrupt
                        measure logit_diff(facts.answer, facts.foil) }
 
-For a record, `expand` rewrites the program into the plain one-prompt program a
-researcher would write for that record alone: the dataset becomes
-`prompt facts = "<its prompt field>"`, a donor field `from facts.corrupt` becomes
-a prompt of its own (`prompt facts_corrupt = "<its corrupt field>"`; from it the
-donor reads the same position number, as `from PROMPT` always does), a field as a
-position `state_after(facts.subject)` becomes the quoted piece
-`state_after("<its subject>")`, and a field as a measured token becomes that
-token. Spans are kept, so the resolver's errors point at the field as written.
-Each record's program then resolves as any program does (`resolve_records` in
-this package); a record whose program does not resolve (its subject is not in
-its prompt, its answer is several tokens) is that record's problem.
-
-`check_over` checks what holds for every record, before any record is expanded:
-one dataset per program (runs on it are traces, generates or sweeps; a trace's `read`s make
-the run a collection, `deltalang.collect`; a sweep's and a generate's are refused, but a generate's
-`read tokens`: its continuation is kept anyway), fields only inside runs on their dataset, every
-field used present in some record (else an error naming the fields there are)
-and in every record (else an error naming the first record without it, by its
-data-file line). `measure_label` names a measure as written in the template
-(`t.logit_diff(facts.answer, facts.foil)`), the same for every record.
+`expand(record)` rewrites the program into the one-prompt program a researcher would write for that record
+(the dataset a `prompt`, a donor field a prompt of its own read at the same position number, a field as a
+position a quoted piece, a field as an answer that token), spans kept so errors point at the field.
+`check_over` checks what holds for every record first: one dataset, which runs and reads it allows, fields
+only inside runs on it and present in every record (else an error naming the first record without one).
+`measure_label` names a measure as the template writes it, the same for every record.
 """
 
 from __future__ import annotations
