@@ -1,19 +1,11 @@
 """A donor over a dataset that reads another token than the clean record has there: `donor_token_warnings`.
 
-`write L[linear].state_after(facts.subject) from facts.corrupt` reads the donor
-(each record's corrupt text) at the clean record's token number, as `from PROMPT`
-always does. When a record's donor is phrased differently ("The tower in Paris
-called Eiffel" against "The Leaning Tower"), that number is an unrelated token of
-it, and the value written is not the donor's at its own subject. Over every
-record's resolved program this compares, at each position a plain `from` (no `at`,
-no position on the donor's site) reads, the clean run's token with the donor's,
-where the two prompts have different numbers of tokens: a donor aligned token for
-token, as causal tracing's corrupt prompts are, is read by number on purpose (its
-subject's token is another word by design). One warning per such write, located at
-its `from`: how many records differ, the first with its two tokens, and `at FIELD`,
-which names the donor's own position. Writes at a decode step (the donor's own
-new token) and the operands of `= EXPR` are not compared. Depends on `ast`,
-`datasets`, `errors` and `ir` only.
+`from facts.corrupt` reads each record's donor at the clean record's token number, as `from PROMPT` does.
+Where the two prompts differ in length (a donor phrased otherwise, not aligned token for token as causal
+tracing's are), this compares, at each position a plain `from` reads, the clean token with the donor's,
+and gives one warning per such write at its `from`: how many records differ, the first with its two
+tokens, and `at FIELD`, which names the donor's own position. Decode-step writes and `= EXPR` operands are
+not compared. Depends on `ast`, `datasets`, `errors` and `ir` only.
 """
 
 from __future__ import annotations
