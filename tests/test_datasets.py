@@ -126,7 +126,8 @@ def test_a_missing_file_is_an_error(tmp_path: Path) -> None:
      '    measure prob(facts.answer)\n}', "a sweep over a dataset keeps measures.*use 'measure'"),  # a trace collects
     (PATCH.replace("facts.corrupt", "facts.corupt"), "no record of 'facts' has a field 'corupt': did you mean"),
     (PATCH + "measure prob(facts.answer)\n", "used inside a run on it"),
-    (PATCH.replace("trace t on facts", "generate t on facts max_new_tokens 2"), "generate over a dataset is not"),
+    (PATCH.replace("trace t on facts", "generate t on facts max_new_tokens 2").replace("    measure", "    step 1: read "
+     "L0.state_output\n    measure"), "a generate over a dataset keeps each record's continuation and measures"),
     ('dataset facts = "facts.jsonl"\nprompt p = "a b"\ntrace t on p { measure prob(" a") }', "no run is on it"),
 ])
 def test_what_holds_for_every_record_is_checked_first(program: str, message: str) -> None:
