@@ -5,9 +5,10 @@
 against the value's axes (`values.axes`, the catalogue's shape names; `positions` stands for `s`, `key` for
 `key_dim`, `value` for `value_dim`) with `measures.step_axes`, the one statement of what a step leaves,
 and a direction's shape (its safetensors header, read here) against the axes it contracts: a located
-error before anything runs. Reductions run in traces and generates; a sweep's cells are the engine's,
-which computes the values whole, so a reduction there is an error. `states.head(K)` in a trace is a
-reduction too: the value layer then serves one head, a group of chunks at a time.
+error before anything runs. Reductions run in traces, generates and sweeps; a sweep's reduced measure
+leaves one number per cell (or one per token), and its head is a number, not a variable over heads (the
+engine reduces the recomputed value, `sweep.engine`). `states.head(K)` is a reduction too: the value layer
+then serves one head, a group of chunks at a time.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ ALIASES = {"positions": "s", "position": "s", "key": "key_dim", "value": "value_
 
 
 def wanted(site: ast.Site, ctx: Ctx) -> bool:
-    """Whether a read of `site` is a reduction: one written, or one head of `states` (outside a sweep)."""
+    """Whether a read of `site` is a reduction: one written, or one head of `states`."""
     return bool(site.reduce) or (site.value == "states" and isinstance(site.head, ast.IntPos))
 
 
@@ -44,7 +45,7 @@ def reduced_read(scope: Scope, op: ResolvedOp, site: ast.Site, t: Target, ctx: C
 
 def wanted_measure(call: ast.MeasureCall, ctx: Ctx) -> bool:
     """Whether a measure is computed in the forward: a projection, a norm over axes or of a reduced site, or
-    a norm of `states` (whose every state would otherwise exist at once) or of one head, outside a sweep."""
+    a norm of `states` (whose every state would otherwise exist at once) or of one head."""
     if isinstance(call, ast.Project):
         return True
     if not isinstance(call, ast.Norm):
