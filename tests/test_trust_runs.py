@@ -223,3 +223,20 @@ def test_resume_with_nothing_to_resume_is_an_error(tmp_path: Path, capsys: pytes
     (tmp_path / "plain" / "program.dl").write_text(EIFFEL.read_text())
     assert main(["run", str(EIFFEL), "--out", str(tmp_path / "plain"), "--resume"]) == 1
     assert "this program runs at once" in capsys.readouterr().err
+
+
+def test_normalise_between_two_runs_of_equal_value_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Two runs of one prompt, one with a write nothing reads: clean - corrupted is 0 for every measure, refused
+    in one line naming both runs and the value, and nothing is left in --out."""
+    program = tmp_path / "same.dl"
+    program.write_text('prompt clean = "The Eiffel Tower is in the city of"\n'
+                       'trace base on clean {\n    read logits\n}\n'
+                       'trace twin on clean {\n    write L4.state_output = zeros\n}\n'
+                       'sweep s on clean over L in L[linear], t in 0..2 {\n    write L.state_after(t) = zeros\n'
+                       '    measure prob(" Paris")\n}\n')
+    out = tmp_path / "out"
+    assert main(["sweep", str(program), "--normalise", "clean=base,corrupted=twin", "--out", str(out)]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]  # (the write's warning aside)
+    assert len(err) == 1, err
+    assert "'base' and 'twin' both give prob(\" Paris\") = " in err[0] and "(clean - corrupted) is 0" in err[0]
+    assert not out.exists() or not any(out.iterdir())

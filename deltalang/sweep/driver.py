@@ -122,6 +122,16 @@ def _describe(model: DeltaModel, job: SweepJob, cells: Sequence[Cell], batch: in
     return f"{head}; naive path, a full forward per cell ({batch} per forward), because {job.blocker}"
 
 
+def refuse_zero_denominator(norm: Normalise | None, lines: Mapping[str, Mapping[str, tuple[float, float]]]) -> None:
+    """A `--normalise` whose two runs measure the same value: every normalised effect would divide by zero."""
+    for job, by_label in lines.items():
+        for label, (clean, corrupted) in by_label.items():
+            if norm is not None and clean == corrupted:
+                raise DeltaSweepError(f"--normalise {norm.text()}: '{norm.clean}' and '{norm.corrupted}' both give "
+                                      f"{label} = {clean:.6g} in sweep '{job}', so (clean - corrupted) is 0 and "
+                                      f"every normalised value would be nan: name two runs whose values differ")
+
+
 def run_sweeps(exp: Experiment, *, out: str | Path | None = None, resume: bool = False,
                batch_size: int | None = None, normalise: str | Mapping[str, str] | Normalise | None = None,
                progress: bool | None = None, console: Console | None = None, engine: str = "auto",
@@ -152,8 +162,9 @@ def run_sweeps(exp: Experiment, *, out: str | Path | None = None, resume: bool =
     old = SweepStore.peek(directory) if directory is not None and resume else None
     batches = {job.name: batch_for(model, job, batch_size, old) for job in jobs}
     columns = csv_columns(jobs)
-    store = open_store(exp, jobs, directory, norm, batches, columns, resume) if directory is not None else None
     support_results = support.run(exp)
+    refuse_zero_denominator(norm, {job.name: baselines(support_results, job) for job in jobs} if norm else {})
+    store = open_store(exp, jobs, directory, norm, batches, columns, resume) if directory is not None else None
     values_: dict[str, Any] = {k: v for k, v in support_results.items() if not k.startswith(SUPPORT)}
     if store is not None and norm is not None:
         store.set_baselines({job.name: baselines(support_results, job) for job in jobs})
