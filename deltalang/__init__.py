@@ -25,9 +25,10 @@ from .version import __version__
 if _TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from . import families
     from .check import check
-    from .collection import Collection, load_results
+    from .collection import Collection
     from .compiled import Experiment
     from .dataset_run import DatasetResults
+    from .merge import load_results
     from .sweep.attribution_dataset import DatasetAttribution
     from .sweep.dataset import DatasetSweepResults
     from .errors import DeltaError
@@ -44,7 +45,7 @@ _LAZY: dict[str, str] = {
     "DeltaModel": "model", "load_model": "model", "parse": "parse", "Experiment": "compiled",
     "Results": "results", "DatasetResults": "dataset_run", "DatasetSweepResults": "sweep.dataset",
     "DatasetAttribution": "sweep.attribution_dataset", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
-    "ModelSpec": "spec", "load_spec": "spec", "Collection": "collection", "load_results": "collection",
+    "ModelSpec": "spec", "load_spec": "spec", "Collection": "collection", "load_results": "merge",
 }
 
 __all__ = ["Collection", "DatasetAttribution", "DatasetResults", "DatasetSweepResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",

@@ -1,26 +1,14 @@
-"""`deltalang run | check | emit | fmt | info | sweep`.
+"""`deltalang run | check | emit | fmt | info | sweep | merge`.
 
-Contract: whatever the arguments and whatever the program file holds, a
-command prints its output, or one `error: ...` (a DeltaError, in the
-`file:line:col: error:` form when it points into the program) and exits 1.
-`main` is the one place exceptions end: any other exception is a bug in
-deltalang, printed as `error: internal error in deltalang (a bug, please report
-it): Type: message` with exit 2 (the traceback only under `--debug`); running
-out of memory is `error: out of memory: ...`, exit 1; Ctrl-C exits 130.
-Argument errors argparse finds exit 2 with its usage line.
-
-Options that would only fail once a model is loaded or has run (`--prompt ""`,
-`--device`, `--remote`, an `--out` that cannot be written) are checked by
-`check_options` before any command starts. Every command reads its program
-with `read_program`.
-
-Every command's handler is here (`run_main`, `dataset_main`, `emit_main`, `check_main`,
-`fmt_main`, `info_main`, `sweep_main`); they import the package's modules
-lazily, so a command loads only what it uses: `--help`, `--version` and `fmt`
-never import torch, transformers or nnsight, and `check` never imports nnsight
-(it needs transformers' config and tokenizer, and transformers' config classes
-import torch). `check` and `fmt` colour their output with `lexer.highlight` when
-standard output is a terminal, never when it is piped.
+Contract: whatever the arguments and whatever the program file holds, a command prints its output, or one
+`error: ...` (a DeltaError, in the `file:line:col: error:` form when it points into the program) and exits 1.
+`main` is the one place exceptions end: any other exception is a bug in deltalang, printed as `error: internal
+error in deltalang (a bug, please report it): Type: message` with exit 2 (the traceback only under `--debug`);
+out of memory is `error: out of memory: ...`, exit 1; Ctrl-C exits 130; argparse's errors exit 2 with its usage.
+Options that would only fail once a model is loaded or has run are checked by `check_options` first (`--shard`
+and `--device` from a launcher's RANK/WORLD_SIZE/LOCAL_RANK where not given). Every command reads its program with
+`read_program`; every handler (`*_main`) is here and imports lazily: `--help`, `--version` and `fmt` never import
+torch, transformers or nnsight, `check` never nnsight; `check` and `fmt` colour (`lexer.highlight`) a terminal only.
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import DeltaError, show_warnings_on_stderr
-from .options import check_options, claim_out, refuse_ignored, refuse_unused_prompt
+from .options import check_options, claim_out, refuse_ignored, refuse_shard, refuse_unused_prompt
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -96,6 +84,7 @@ def _experiment(args: argparse.Namespace, program: tuple[str, str] | None = None
     from .compiled import Experiment
 
     source, filename = program or read_program(args)
+    refuse_shard(args)
     exp = Experiment.from_source(source, args.model, filename=filename, prompt=args.prompt, device=args.device,
                                  dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                                  device_map=args.device_map)
@@ -278,7 +267,7 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
 
     out = run_dataset(source, model, filename=filename, strict=bool(getattr(args, "strict", False)),
                       datasets=datasets, out=args.out, resume=bool(getattr(args, "resume", False)),
-                      console=Console(stderr=True))
+                      console=Console(stderr=True), shard=args.shard)
     print(out.summary())
     print(f"({time.perf_counter() - t0:.1f} s incl. model load)", file=sys.stderr)
     if args.out is not None:
@@ -303,7 +292,7 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
                             engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err,
                             method="attribution" if getattr(args, "attribution", False) else None,
                             steps=getattr(args, "steps", None), refine=getattr(args, "refine", None),
-                            path=getattr(args, "path", None), align=getattr(args, "align", None))
+                            path=getattr(args, "path", None), align=getattr(args, "align", None), shard=args.shard)
     print(out.summary())
     if args.out is not None:
         err.print(f"wrote {args.out}/: {', '.join(FILES)} and a heatmap per sweep and measure", highlight=False)
@@ -365,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltalang", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"deltalang {__version__}",
                         help="print deltalang's version and exit")
+def merge_main(args: argparse.Namespace) -> int:
+    """`deltalang merge DIR`: join the parts the shards of a run wrote in DIR (`deltalang.merge`)."""
+    from .merge import merge
+    print(merge(args.dir).summary())
+    return 0
+
+
     parser.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
     sub = parser.add_subparsers(dest="command", required=True)
     debug = argparse.ArgumentParser(add_help=False)  # --debug after the command too
@@ -394,8 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-e", dest="expr", help="the program text itself")
         p.add_argument("--prompt", help="the prompt of the implicit top-level trace")
         _add_model_args(p)
-        p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1, mps or xpu "
-                                                       "(default: cpu)")
+        p.add_argument("--device", help="cpu (the default), cuda, cuda:1, mps or xpu (torchrun: cuda:LOCAL_RANK)")
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
         p.add_argument("--device-map", default=None,
                        help="shard a large checkpoint through accelerate: 'auto', or a JSON file mapping module "
@@ -415,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--resume", action="store_true",
                            help="over a dataset: continue the run in --out DIR, keeping the records done")
         if name == "sweep":
+            p.add_argument("--shard", metavar="K/N", help="over a dataset: shard K (from 0) of N (docs/shards.md)")
             p.add_argument("--resume", action="store_true", help="continue the sweep in --out DIR, keeping its cells")
             p.add_argument("--batch-size", type=int, default=None, help="cells per forward (default: from memory)")
             p.add_argument("--normalise", default=None, metavar="clean=RUN,corrupted=RUN",
@@ -434,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_transformers() -> None:
+    p = sub.add_parser("merge", parents=[debug], help="join the parts of a run split by --shard in DIR")
+    p.add_argument("dir", help="the --out DIR the shards wrote into")
+    p.set_defaults(func=merge_main)
     """No progress bars or kernel fall-back notices on the command line: its output is the program's
     (`quiet.quiet_transformers`, which `load_model` uses too)."""
     from .quiet import quiet_transformers

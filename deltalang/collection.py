@@ -222,7 +222,10 @@ def load_results(directory: str | Path) -> Collection | Results | SavedTable:
     d = Path(directory)
     if not d.is_dir():
         raise DeltaError(f"no results in {directory}: not a directory")
-    progress = _json(d / PROGRESS)
+    progress, shards = _json(d / PROGRESS), _json(d / "shards.json")
+    if shards is not None and not shards.get("merged"):  # parts of a run split by --shard (`deltalang.merge`)
+        raise DeltaError(f"{directory} holds the parts of a run split in {shards.get('n')} shards, not merged: "
+                         f"`deltalang merge {directory}` (or deltalang.load_results) joins them")
     if (d / MANIFEST).is_file():
         return Collection(d)
     if progress is not None and not progress.get("complete", False):

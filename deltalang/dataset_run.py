@@ -49,6 +49,7 @@ from .plan import BATCH_TOKENS
 from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import dataset_decls, measure_label
 from .results import save_atomically
+from .shards import finish, select, shard_of
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -96,6 +97,12 @@ def stats_of(measure: str, values: list[float]) -> MeasureStats:
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = t_quantile_975(n - 1) * std / math.sqrt(n)
     return MeasureStats(measure, mean, std, n, mean - half, mean + half)
+
+
+def stats_by_measure(rows: list[dict[str, Any]]) -> tuple[MeasureStats, ...]:
+    """Each measure's statistics over long-format rows (measures in first-seen order)."""
+    labels = list(dict.fromkeys(row["measure"] for row in rows))
+    return tuple(stats_of(lab, [row["value"] for row in rows if row["measure"] == lab]) for lab in labels)
 
 
 @attrs.frozen
@@ -169,14 +176,15 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                 data: Mapping[str, Any] | None = None, strict: bool = False, batch: bool = True,
                 datasets: Mapping[str, Dataset] | None = None, out: str | Path | None = None, resume: bool = False,
                 console: Console | None = None, on_group: Callable[[list[int]], None] | None = None,
-                shard_bytes: int = SHARD_BYTES) -> DatasetResults | DatasetGeneration | Collection:
+                shard_bytes: int = SHARD_BYTES, shard: Any = None) -> DatasetResults | DatasetGeneration | Collection:
     """Run `source` over its dataset on `model` (see the module doc); `datasets`: already `load_datasets`'.
     A program that reads is a collection (`deltalang.collect`; `shard_bytes` a shard): its `Collection`; one
     that generates gives each record's continuation and measures per step (`deltalang.dataset_generate`).
 
     `out`: save each group of records as it finishes and the final files there; `resume`: continue the
     run in `out` (the groups done are not rerun); `console`: show progress there; `on_group(indices)`:
-    after each group of records is saved.
+    after each group of records is saved; `shard` (`(K, N)`, "K/N"): run shard K of N of the records only,
+    saved in `out/shard-K-of-N` (`deltalang.shards`; `deltalang.merge` joins the parts).
     """
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
@@ -185,13 +193,18 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
         datasets = load_datasets(source, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
     refuse_per_record_vectors(resolutions, source, filename)
+    part = shard_of(shard)
+    kind = "collection" if collects(resolutions) else "run"
+    resolutions, out = select(ds, resolutions, part, out, source, kind, model.spec.model_id)
     skipped = left_out(ds, resolutions, strict)
     if generates(resolutions):  # each record's continuation and measures per step (`deltalang.dataset_generate`)
         return run_generate(program, ds, resolutions, skipped, source, model, filename=filename, batch=batch, out=out,
                             resume=resume, console=console, on_group=on_group, merge=merge, stats=stats_of)
-    if collects(resolutions):
-        return run_collection(program, ds, resolutions, skipped, source, model, filename=filename, batch=batch,
-                              out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes)
+    if kind == "collection":
+        got = run_collection(program, ds, resolutions, skipped, source, model, filename=filename, batch=batch,
+                             out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes)
+        finish(out, part)
+        return got
     columns = ["record", "line", *ds.fields, "measure", "value"]
     store = None
     if out is not None:
@@ -220,12 +233,11 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
             store.abandon()
         raise
     rows = [row for i in sorted(per) for row in per[i]]
-    labels = list(dict.fromkeys(row["measure"] for row in rows))
-    stats = tuple(stats_of(lab, [row["value"] for row in rows if row["measure"] == lab]) for lab in labels)
-    result = DatasetResults(ds, tuple(rows), stats, skipped, source)
+    result = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, source)
     if out is not None and store is not None:
         result.save(out)
         store.finish()
+        finish(out, part)
     return result
 
 
@@ -264,9 +276,7 @@ def run_collection(program: ast.Program, ds: Dataset, resolutions: list[RecordRe
                                   RecordProgress(console, n, n, "records", head), on_group)
         rows = [{"record": i, "line": ds.records[i].line, **ds.records[i].fields, "measure": k, "value": v}
                 for i in sorted(measures) for k, v in measures[i].items()]
-        labels = list(dict.fromkeys(row["measure"] for row in rows))
-        stats = tuple(stats_of(lab, [row["value"] for row in rows if row["measure"] == lab]) for lab in labels)
-        result = DatasetResults(ds, tuple(rows), stats, skipped, source)
+        result = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, source)
         store.finish({"program": source, "program_sha256": meta["program_sha256"], "model": meta["model"],
                       "dataset": ds.name, "origin": ds.origin, "records": len(ds.records),
                       "left_out": [{"record": i, "line": ds.records[i].line, "why": why} for i, why in skipped]},

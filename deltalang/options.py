@@ -6,7 +6,8 @@ with `--attribution`, `--resume` or `--replace` without `--out`). `claim_out(arg
 `--out` directory for the program (`results.claim_out_dir`: never results beside another program's).
 `refuse_unused_prompt` (a `--prompt` no statement uses) and `refuse_ignored` (an exact sweep's options under
 attribution; a `--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
-Imports are lazy, so `deltalang --help` loads nothing.
+`launch_defaults(args)`: under `torchrun` or `accelerate launch`, `--shard` from RANK/WORLD_SIZE and `--device`
+from LOCAL_RANK where not given (`deltalang.shards`). Imports are lazy, so `deltalang --help` loads nothing.
 """
 
 from __future__ import annotations
@@ -38,8 +39,27 @@ def check_device(name: str) -> None:
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
 
 
+def launch_defaults(args: argparse.Namespace) -> None:
+    """`--shard` (given, or RANK of WORLD_SIZE) as a `shards.Shard`; `--device` not given: `cuda:LOCAL_RANK` for a
+    process a launcher started on a machine with CUDA, else cpu."""
+    if not hasattr(args, "device"):
+        return
+    from .shards import from_env, launch_device, shard_of
+
+    if hasattr(args, "shard"):
+        args.shard = shard_of(args.shard) if args.shard is not None else from_env()
+    if args.device is None:
+        device = launch_device()
+        if device is not None:
+            import torch
+
+            device = device if torch.cuda.is_available() else None
+        args.device = device or "cpu"
+
+
 def check_options(args: argparse.Namespace) -> None:
-    """The options that would fail only after a model loaded or ran, checked first."""
+    """The options that would fail only after a model loaded or ran, checked first (`launch_defaults` filled in)."""
+    launch_defaults(args)
     if getattr(args, "prompt", None) == "":
         raise DeltaError("--prompt is empty: a run needs at least one token; give the prompt's text")
     if getattr(args, "remote", None) is not None:
@@ -68,7 +88,16 @@ def claim_out(args: argparse.Namespace, read: Callable[[argparse.Namespace], tup
     from .results import claim_out_dir
 
     args.program = read(args)
-    return claim_out_dir(args.out, args.program[0], resume=args.resume, replace=args.replace)
+    shard = getattr(args, "shard", None)  # shard K of N writes DIR/shard-K-of-N only (`deltalang.shards`)
+    out = args.out if shard is None else f"{args.out}/{shard.name}"
+    return claim_out_dir(out, args.program[0], resume=args.resume, replace=args.replace)
+
+
+def refuse_shard(args: argparse.Namespace) -> None:
+    """`--shard` (or a launcher's RANK) splits a run over a dataset's records: an error for a one-prompt program."""
+    if getattr(args, "shard", None) is not None:
+        raise DeltaError(f"--shard {args.shard.k}/{args.shard.n} splits a run over a dataset's records; this program "
+                         f"runs one prompt: drop it (under torchrun: run it in one process)")
 
 
 def refuse_unused_prompt(resolved: Any, prompt: str | None) -> None:

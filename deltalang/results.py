@@ -287,7 +287,8 @@ def _versions() -> dict[str, str]:
 # what a deltalang run writes in an --out directory (a sweep's plots: `*.png`; temporary files: `*.tmp`, `.deltalang-*`)
 OUT_NAMES = frozenset({"results.json", "results.safetensors", "program.dl", "emitted.py", "reference.py", "sweep.csv",
                        "sweep.json", "results.csv", "results.partial.csv", "summary.csv", "summary.json",
-                       "progress.json", "attribution.csv", "collection.json", "index.jsonl"})
+                       "progress.json", "attribution.csv", "collection.json", "index.jsonl",
+                       "done.json", "shards.json"})  # a shard's part's marker, a sharded run's manifest (`shards`)
 
 
 def _ours(name: str) -> bool:

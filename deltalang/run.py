@@ -27,6 +27,7 @@ from .resolve import uses_dataset
 from .results import Results
 from .sweep import run_sweep, run_sweeps, sweep
 from .sweep.attribution_dataset import DatasetAttribution
+from .shards import from_env, shard_of
 from .sweep.dataset import DatasetSweepResults, run_dataset_sweep
 
 __all__ = ["REMOTE_REFUSAL", "Experiment", "Results", "compile", "run", "run_sweep", "sweep"]
@@ -51,7 +52,7 @@ def compile(source: str, model: Any = None, *, filename: str = "<program>", prom
 def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
         batch: bool = True, remote: bool | str = False, data: Mapping[str, Any] | None = None,
         strict: bool = False, out: str | Path | None = None, resume: bool = False,
-        normalise: str | Mapping[str, str] | None = None
+        normalise: str | Mapping[str, str] | None = None, shard: tuple[int, int] | str | None = None
         ) -> Results | DatasetResults | DatasetSweepResults | DatasetAttribution:
     """Compile and run a program; returns its Results (DatasetResults for a program over a dataset).
 
@@ -61,7 +62,9 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
     dataset, `out` saves the run record by record into that directory and `resume` continues a run saved
     there (as `--out`/`--resume`);
     `normalise` ({"clean": RUN, "corrupted": RUN} or "clean=A,corrupted=B") applies to dataset sweeps.
-    A one-prompt program takes none of the three: save its results with `Results.save`.
+    `shard` ((K, N) or "K/N"; default: RANK/WORLD_SIZE under torchrun or accelerate launch): run shard K of N of
+    the dataset's records, saved in `out/shard-K-of-N` (`deltalang.shards`; `load_results(out)` merges the parts).
+    A one-prompt program takes none of the four: save its results with `Results.save`.
     """
     if remote:
         raise DeltaError(REMOTE_REFUSAL)
@@ -75,15 +78,16 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
         if prompt is not None:
             raise DeltaError("prompt= does not apply to a program over a dataset: its prompts are the records'")
         loaded = model_for(source, model, filename, program=program)
+        part = shard_of(shard) if shard is not None else from_env()
         if any(isinstance(i, ast.Sweep) for i in program.items):
             return run_dataset_sweep(source, loaded, filename=filename, data=data, strict=strict,
-                                     normalise=normalise, out=out, resume=resume)
+                                     normalise=normalise, out=out, resume=resume, shard=part)
         if normalise is not None:
             raise DeltaError("normalise= applies to sweeps (over a dataset: a `sweep ... on facts...`); "
                              "this program over a dataset has none")
         return run_dataset(source, loaded, filename=filename, data=data, strict=strict, batch=batch,
-                           out=out, resume=resume)
-    for given, what in ((out, "out="), (resume or None, "resume="), (normalise, "normalise=")):
+                           out=out, resume=resume, shard=part)
+    for given, what in ((out, "out="), (resume or None, "resume="), (normalise, "normalise="), (shard, "shard=")):
         if given is not None:
             raise DeltaError(f"{what} applies to a program over a dataset; save a one-prompt run's results "
                              "with Results.save(DIR), and run sweeps with deltalang.run_sweep(..., out=DIR)")

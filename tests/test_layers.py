@@ -26,7 +26,7 @@ LAYERS: dict[str, int] = {
     "plan": 4, "batches": 4, "emit": 4, "explain": 4,
     "backends": 5, "deltarule": 5, "ssd": 5, "kernels": 5, "mixer": 5, "info": 5, "model": 5, "gradients": 5,
     "results": 6, "compiled": 6,
-    "sweep": 7, "dataset_run": 7, "dataset_generate": 7, "dataset_store": 7, "collect": 7, "collection": 7,
+    "sweep": 7, "dataset_run": 7, "dataset_generate": 7, "dataset_store": 7, "collect": 7, "collection": 7, "shards": 7, "merge": 7,
     "run": 8, "cli": 8, "options": 8, "notebook": 8, "__init__": 8, "__main__": 8,
 }
 # layers that never import each other: the language and compiler, and the value layer

@@ -233,7 +233,7 @@ def attribute_records(programs: Sequence[RecordProgram], ds: Dataset, skipped: t
             for p, e, t, a in zip(programs, exps, targets, got, strict=True):
                 rows.extend(_refined(ds, p, e, t, a, set(top), exact))
                 bar.advance(1, 1)
-    cells = _cells(rows, axes, variants)
+    cells = cell_stats(rows, axes, variants)
     return DatasetAttribution(ds, targets[0].sweep.name, variants, default, axes,
                               tuple(rows), cells, skipped, source, note)
 
@@ -298,7 +298,7 @@ def _means(rows: Sequence[dict[str, Any]], axes: Axes) -> dict[Point, float]:
     return {pt: sum(xs) / len(xs) for pt, xs in groups.items()}
 
 
-def _cells(rows: Sequence[dict[str, Any]], axes: Axes, variants: Sequence[str]) -> tuple[CellAttribution, ...]:
+def cell_stats(rows: Sequence[dict[str, Any]], axes: Axes, variants: Sequence[str]) -> tuple[CellAttribution, ...]:
     """Statistics per cell, measure and variant; cells in the order of their axes' labels, measures as first seen."""
     groups: dict[tuple[Point, str], dict[str, list[float]]] = {}
     for r in rows:

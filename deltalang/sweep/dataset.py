@@ -60,6 +60,7 @@ from ..parse import parse
 from ..resolve import resolve_records
 from ..resolve.dataset import axis_positions, field_prompt, measure_label
 from ..results import save_atomically
+from ..shards import finish, select, shard_of
 from .aligned import COLUMNS as TOKEN_COLUMNS
 from .aligned import Alignment, aligned_records, per_token_lines
 from .aligned import offset as _offset
@@ -223,19 +224,21 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                       engine: str = "auto", progress: bool | None = None, console: Console | None = None,
                       on_record: Callable[[int], None] | None = None, method: str | None = None,
                       steps: int | None = None, refine: int | None = None,
-                      path: str | None = None, align: str | None = None) -> DatasetSweepResults | DatasetAttribution:
+                      path: str | None = None, align: str | None = None,
+                      shard: Any = None) -> DatasetSweepResults | DatasetAttribution:
     """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved.
 
     `method`, `steps`, `refine`, `path`: as `run_sweep`'s; a sweep by attribution (the program's `method
     attribution` or `method="attribution"`) gives a `DatasetAttribution` (`sweep.attribution_dataset`).
     `align`: what a per-token measure's positions are counted from: a field (`facts.subject`, `facts.subject[0]`)
-    or -1, each record's end (the default; `sweep.aligned`)."""
+    or -1, each record's end (the default; `sweep.aligned`). `shard`: as `dataset_run.run_dataset`'s."""
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     program = parse(source, filename)
     if datasets is None:
         datasets = load_datasets(source, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
+    resolutions, out = select(ds, resolutions, part := shard_of(shard), out, source, "sweep", model.spec.model_id)
     skipped = left_out(ds, resolutions, strict)
     good = [(r.record, r.resolved) for r in resolutions if r.resolved is not None]
     if not good:
@@ -244,7 +247,7 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     if how is not None:
         return _attribution(program, ds, good, skipped, model, source, filename, how, normalise=normalise, out=out,
                             resume=resume, batch_size=batch_size, engine=engine, console=_console_for(progress,
-                            console), on_record=on_record)
+                            console), on_record=on_record, part=part)
     norm = Normalise.parse(normalise)
     tokens, alignment, good, skipped = aligned_records(program, ds, good, skipped, align, model.spec, strict)
     axes = template_axes(program, good[0][1])
@@ -263,9 +266,7 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     todo = [(rec, res) for rec, res in good if rec.index not in done]
     console = _console_for(progress, console)
     cells = sum(_cells(res) for _, res in todo)
-    head = (f"sweep over '{ds.name}': {len(todo)} record(s) to run" + (f", {len(good) - len(todo)} done before"
-            if len(todo) < len(good) else "") + f", {cells} cells; each record's sweep through "
-            + ("the engine (a forward per cell where it cannot serve one)" if engine == "auto" else "the naive path"))
+    head = _head(ds, len(todo), len(good), cells, engine)
     rows: dict[int, list[dict[str, Any]]] = {rec.index: _reread(store, rec, variables, tokens) for rec, _ in good
                                              if rec.index in done}
     bar = RecordProgress(console, len(todo), cells, "cells", head)
@@ -283,22 +284,40 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
             where = f"saved in {out}; rerun with --resume to continue" if out else "not saved (no --out)"
             console.print(f"interrupted: {bar.done} of {len(todo)} record(s) done, {where}")
         raise
-    result = _results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm,
+    result = cell_results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm,
                           alignment.text if tokens else None)
     if out is not None and store is not None:
         result.save(out)
         store.finish()
+        finish(Path(out), part)
     return result
+
+
+def _head(ds: Dataset, todo: int, good: int, cells: int, engine: str) -> str:
+    """The progress line's head: the records to run (and done before), the cells, the path."""
+    return (f"sweep over '{ds.name}': {todo} record(s) to run" + (f", {good - todo} done before" if todo < good
+            else "") + f", {cells} cells; each record's sweep through "
+            + ("the engine (a forward per cell where it cannot serve one)" if engine == "auto" else "the naive path"))
+
+
+def refuse_sharded_refine(how: Method, part: Any) -> None:
+    """A sweep by attribution refines the top cells of the mean over every record: one shard cannot choose them."""
+    if part is not None and how.refine:
+        raise DeltaError(f"--shard with attribution's refine {how.refine}: the cells refined are the top of the mean "
+                         f"over every record, which no shard knows; run the shards with --refine 0, merge, then "
+                         f"refine the top cells in one run")
 
 
 def _attribution(program: ast.Program, ds: Dataset, good: Sequence[tuple[Record, Resolved]],
                  skipped: tuple[tuple[int, str], ...], model: DeltaModel, source: str, filename: str, how: Method, *,
                  normalise: Any, out: str | Path | None, resume: bool, batch_size: int | None, engine: str,
-                 console: Console | None, on_record: Callable[[int], None] | None) -> DatasetAttribution:
+                 console: Console | None, on_record: Callable[[int], None] | None,
+                 part: Any = None) -> DatasetAttribution:
     """A sweep by attribution over the dataset (`sweep.attribution_dataset`), each record's cells labelled."""
     if resume:
         raise DeltaError("--resume continues an exact sweep over a dataset; an attribution sweep reruns (it is "
                          "fast): drop --resume")
+    refuse_sharded_refine(how, part)
     if normalise is not None:
         raise DeltaError("--normalise applies to an exact sweep; attribution estimates M(patched) - M(clean) per "
                          "record: drop --normalise (or say method exact)")
@@ -313,6 +332,7 @@ def _attribution(program: ast.Program, ds: Dataset, good: Sequence[tuple[Record,
                             console=console, on_record=on_record)
     if out is not None:
         got.save(out)
+        finish(Path(out), part)
     return got
 
 
@@ -437,7 +457,7 @@ def _reread(store: RecordStore | None, rec: Record, variables: Sequence[str],
              "value": float(r["value"])} for r in store.rows_of(rec.index)]
 
 
-def _results(ds: Dataset, rows: list[dict[str, Any]], skipped: tuple[tuple[int, str], ...],
+def cell_results(ds: Dataset, rows: list[dict[str, Any]], skipped: tuple[tuple[int, str], ...],
              axes: dict[str, tuple[tuple[str, tuple[str, ...]], ...]], source: str,
              norm: Normalise | None, align: str | None = None) -> DatasetSweepResults:
     """Statistics per cell and measure (and aligned position), cells in the order of their axes' labels."""

@@ -1,0 +1,177 @@
+"""The parts of a run split by `--shard` joined: `merge(DIR)` (`deltalang merge DIR`) and `load_results(DIR)`.
+
+    deltalang.merge.merge("out/")           # out/shard-K-of-N/ parts -> out/results.csv, summary.*, ...
+    deltalang.load_results("out/")          # the same, merged first where out/ holds parts
+
+Contract. `merge(DIR)` reads `DIR/shards.json` (`deltalang.shards`) and every part's `done.json`; a part
+of another program, dataset, model, kind or N, or a shard not complete, is one DeltaError naming it.
+It then writes into DIR what the unsharded run writes there, from the parts' files alone: a run's
+rows in record order and each measure's statistics recomputed over every record (`dataset_run.
+stats_of`, through the results' own `save`); a collection's index (`collect.INDEX`, each entry's shard
+a path into its part) and manifest (`collect.MANIFEST`, written last) over every part, so
+`Collection(DIR)` reads them as one collection; a dataset sweep's cells over every record
+(`sweep.dataset.cell_results`); an attribution over a dataset (refine 0) its cells over every record.
+The records left out are every part's. Merging again gives the same files; `shards.json` then says
+`merged`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .collect import INDEX, MANIFEST as COLLECTION
+from .collection import Collection
+from .collection import load_results as load_saved
+from .dataset_run import DatasetResults, stats_by_measure
+from .datasets import Dataset, Record
+from .errors import DeltaError
+from .shards import DONE, MANIFEST, Shard, check_same, read_manifest
+from .sweep.attribution_dataset import DatasetAttribution, cell_stats
+from .sweep.dataset import Normalise, cell_results
+
+PART = re.compile(r"shard-(\d+)-of-(\d+)")
+
+
+def load_results(directory: str | Path) -> Any:
+    """What a run saved in `directory` (`collection.load_results`), its shards' parts merged first."""
+    if (Path(directory) / MANIFEST).is_file():
+        merge(directory)
+    return load_saved(directory)
+
+
+def parts(top: Path) -> tuple[dict[str, Any], list[Path]]:
+    """The manifest and the N parts, each checked complete and of this run (one DeltaError otherwise)."""
+    meta = read_manifest(top)
+    n = meta["n"]
+    for d in sorted(top.iterdir()):
+        m = PART.fullmatch(d.name)
+        if d.is_dir() and m and int(m.group(2)) != n:
+            raise DeltaError(f"{d} is a part of a run split in {m.group(2)}, {top / MANIFEST} says {n}: parts of "
+                             f"one run only (move it elsewhere)")
+    missing = []
+    for k in range(n):
+        part = top / Shard(k, n).name
+        try:
+            done = json.loads((part / DONE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            missing.append(k)
+            continue
+        check_same(part, done, meta)
+    if missing:
+        raise DeltaError(f"{top}: shard(s) {', '.join(f'{k}/{n}' for k in missing)} of {n} not complete (no "
+                         f"{DONE} in {', '.join(Shard(k, n).name for k in missing)}): run them (--resume continues "
+                         f"one that started), then merge")
+    return meta, [top / Shard(k, n).name for k in range(n)]
+
+
+def merge(directory: str | Path) -> Any:
+    """Join the parts in `directory` (see the module doc); the merged results (a `Collection` for one)."""
+    top = Path(directory)
+    meta, dirs = parts(top)
+    header, rows, skipped = _rows(dirs)
+    kind = meta["kind"]
+    got: Any = None
+    if header is not None:
+        fields = header[2:header.index("sweep")] if "sweep" in header else header[2:-2]
+        ds = _dataset(meta, fields)
+        if kind in ("run", "collection"):
+            got = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, meta["program"])
+        elif "variant" not in header:
+            got = _sweep(dirs, ds, header, rows, skipped, meta["program"])
+        else:  # a sweep by attribution
+            got = _attribution(dirs, ds, header, rows, skipped, meta["program"])
+        got.save(top)
+    if kind == "collection":
+        got = _collection(top, dirs, skipped, meta["program"])
+    meta = dict(meta, merged=True)
+    tmp = top / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    os.replace(tmp, top / MANIFEST)
+    return got
+
+
+def _dataset(meta: dict[str, Any], fields: list[str]) -> Dataset:
+    """The dataset as its results need it (name, origin, record lines, the fields' order)."""
+    d = meta["dataset"]
+    return Dataset(d["name"], d["origin"], tuple(Record(i, line, dict.fromkeys(fields, ""))
+                                                 for i, line in enumerate(d["lines"])))
+
+
+def _rows(dirs: list[Path]) -> tuple[list[str] | None, list[dict[str, Any]], tuple[tuple[int, str], ...]]:
+    """Every part's `results.csv` rows in record order (values as floats) and records left out."""
+    header: list[str] | None = None
+    rows: list[dict[str, Any]] = []
+    skipped: list[tuple[int, str]] = []
+    for d in dirs:
+        summary = json.loads((d / "summary.json").read_text(encoding="utf-8")) if (d / "summary.json").is_file() \
+            else json.loads((d / COLLECTION).read_text(encoding="utf-8"))
+        skipped.extend((e["record"], e["why"]) for e in summary.get("left_out", []))
+        if not (d / "results.csv").is_file():
+            continue
+        with open(d / "results.csv", newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            if header is not None and list(reader.fieldnames or []) != header:
+                raise DeltaError(f"{d / 'results.csv'} has columns {reader.fieldnames}, the first part {header}")
+            header = list(reader.fieldnames or [])
+            rows.extend({**r, "record": int(r["record"]), "line": int(r["line"]), "value": float(r["value"])}
+                        for r in reader)
+    rows.sort(key=lambda r: r["record"])  # stable: a record's rows keep their order
+    return header, rows, tuple(sorted(skipped))
+
+
+def _summary(part: Path) -> dict[str, Any]:
+    return json.loads((part / "summary.json").read_text(encoding="utf-8"))
+
+
+def _sweep(dirs: list[Path], ds: Dataset, header: list[str], rows: list[dict[str, Any]],
+           skipped: tuple[tuple[int, str], ...], program: str) -> Any:
+    first = _summary(dirs[0])
+    axes = {s: tuple((v, tuple(labels)) for v, labels in a.items()) for s, a in first["axes"].items()}
+    variables = header[header.index("sweep") + 1:header.index("measure")]
+    rows = [{k: v for k, v in r.items() if k not in variables or v != ""} for r in rows]
+    return cell_results(ds, rows, skipped, axes, program, Normalise.parse(first["normalise"]))
+
+
+def _attribution(dirs: list[Path], ds: Dataset, header: list[str], rows: list[dict[str, Any]],
+                 skipped: tuple[tuple[int, str], ...], program: str) -> DatasetAttribution:
+    first = _summary(dirs[0])
+    for d in dirs[1:]:
+        other = _summary(d)
+        if other["variants"] != first["variants"]:
+            raise DeltaError(f"{d} estimated variants {other['variants']}, {dirs[0]} {first['variants']}: give every "
+                             f"shard the same steps (the default differs where a shard's records lack a path)")
+    axes = tuple((v, tuple(labels)) for v, labels in first["axes"].items())
+    variants = tuple(first["variants"])
+    return DatasetAttribution(ds, first["sweep"], variants, first["default"], axes, tuple(rows),
+                              cell_stats(rows, axes, variants), skipped, program, first["note"])
+
+
+def _collection(top: Path, dirs: list[Path], skipped: tuple[tuple[int, str], ...], program: str) -> Collection:
+    """One index over every part's shards, then the manifest; `program.dl` where the parts measure nothing."""
+    entries: list[dict[str, Any]] = []
+    manifests = []
+    for d in dirs:
+        manifests.append(json.loads((d / COLLECTION).read_text(encoding="utf-8")))
+        text = (d / INDEX).read_text(encoding="utf-8")
+        entries.extend(dict(e, shard=f"{d.name}/{e['shard']}") for e in map(json.loads, text.splitlines()))
+    entries.sort(key=lambda e: e["record"])
+    tmp = top / (INDEX + ".tmp")
+    tmp.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
+    os.replace(tmp, top / INDEX)
+    if not (top / "program.dl").is_file():
+        (top / "program.dl").write_text(program, encoding="utf-8")
+    shaped = next((m for m in manifests if m.get("records_collected")), manifests[0])
+    whole = dict(shaped, records_collected=len(entries),
+                 shards=[f"{d.name}/{s}" for d, m in zip(dirs, manifests) for s in m.get("shards", [])],
+                 bytes=sum(m.get("bytes", 0) for m in manifests),
+                 left_out=[e for m in manifests for e in m.get("left_out", [])])
+    whole["left_out"].sort(key=lambda e: e["record"])
+    tmp = top / (COLLECTION + ".tmp")
+    tmp.write_text(json.dumps(whole, indent=1, allow_nan=True), encoding="utf-8")
+    os.replace(tmp, top / COLLECTION)
+    return Collection(top)

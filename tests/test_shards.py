@@ -1,0 +1,359 @@
+"""Runs over a dataset split across processes (`--shard`, torchrun) and merged, against the one-process run.
+
+The split (`deltalang.shards.split`) is checked against its definition (each record to the shard with the
+fewest tokens so far). A dataset run, a dataset sweep and a collection run as 2 and 3 processes under
+`torchrun --nproc_per_node` on this CPU (each process its shard from RANK/WORLD_SIZE, no collective),
+merged by `deltalang merge`, must give what the one-process run gives. A sweep runs each record alone, so
+its files are the same bytes; a run and a collection share forwards among a shard's records, and a record
+in a left-padded forward of other records differs from itself alone in float32 rounding (1 ulp measured:
+3e-8 of 0.13), so their numbers are compared to float32 rounding, and byte for byte with `batch=False`.
+The merge itself is exact: its rows are the parts' rows, its statistics `stats_of` over them. A killed
+shard resumes; a missing or mismatched shard is one line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import deltalang
+from deltalang.bundled import PATH as BUNDLED
+from deltalang.cli import main
+from deltalang.collection import load_results as load_saved
+from deltalang.dataset_run import stats_of
+from deltalang.errors import DeltaError
+from deltalang.shards import Shard, from_env, launch_device, shard_of, split
+
+ROOT = Path(__file__).parents[1]
+RECORDS = [json.loads(line) for line in (ROOT / "examples" / "data" / "landmarks.jsonl").read_text().splitlines()][:5]
+PROGRAMS = {
+    "run": """dataset facts = "facts.jsonl"
+trace t on facts {
+    measure logit_diff(facts.answer, facts.foil)
+    measure prob(facts.answer)
+}
+""",
+    "collect": """dataset facts = "facts.jsonl"
+trace t on facts {
+    read L[linear].state_after(facts.subject) as s
+    read L1.states
+    measure prob(facts.answer)
+}
+""",
+    "sweep": """dataset facts = "facts.jsonl"
+sweep s on facts.corrupt over L in L[0,4], t in facts.subject, -1 {
+    write L.state_after(t) from facts
+    measure logit_diff(facts.answer, facts.foil)
+}
+""",
+}
+COMMAND = {"run": "run", "collect": "run", "sweep": "sweep"}
+FILES = ("results.csv", "summary.csv", "summary.json", "program.dl")
+needs_model = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
+
+# each process of a torchrun job: every program, its shard from RANK/WORLD_SIZE (no --shard given)
+WORKER = """import sys
+from deltalang.cli import main
+base, out = sys.argv[1], sys.argv[2]
+for name, command in {commands}.items():
+    code = main([command, f"{{base}}/{{name}}.dl", "--out", f"{{out}}/{{name}}"])
+    if code:
+        sys.exit(code)
+"""
+
+
+# ---- the split -----------------------------------------------------------------------------------
+
+
+def test_the_split_is_greedy_by_tokens_deterministic_and_balanced() -> None:
+    rng = random.Random(7)
+    for _ in range(20):
+        tokens = [rng.randint(1, 200) for _ in range(rng.randint(1, 60))]
+        for n in (1, 2, 3, 5, 8):
+            got = split(tokens, n)
+            assert got == split(list(tokens), n)  # a function of the tokens and N only
+            load = [0] * n
+            for t, k in zip(tokens, got, strict=True):  # the definition: to the least-loaded, lowest on a tie
+                assert load[k] == min(load) and k == load.index(min(load))
+                load[k] += t
+            assert max(load) - min(load) <= max(tokens)  # within one record's tokens
+
+    tokens = [100, 1] * 10  # dealt out one by one, shard 0 would get every long record
+    load = [sum(t for t, k in zip(tokens, split(tokens, 2)) if k == j) for j in range(2)]
+    assert abs(load[0] - load[1]) <= 100 and sum(load) == sum(tokens)
+
+
+def test_a_shard_is_named_given_or_from_a_launcher() -> None:
+    assert shard_of("1/3") == shard_of((1, 3)) == Shard(1, 3)
+    assert Shard(1, 3).name == "shard-1-of-3"
+    for bad in ("3/3", "-1/2", "1", "a/b", "0/0"):
+        with pytest.raises(DeltaError) as e:
+            shard_of(bad)
+        assert "\n" not in str(e.value.message)
+    assert from_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}) == Shard(2, 4)
+    assert from_env({"RANK": "0", "WORLD_SIZE": "1"}) is None and from_env({}) is None
+    assert launch_device({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == "cuda:1"
+    assert launch_device({"LOCAL_RANK": "1"}) is None
+
+
+# ---- torchrun on the CPU, merged, against one process ----------------------------------------------
+
+
+def _programs(tmp: Path) -> Path:
+    base = tmp / "programs"
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "facts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS), encoding="utf-8")
+    for name, text in PROGRAMS.items():
+        (base / f"{name}.dl").write_text(text, encoding="utf-8")
+    return base
+
+
+def _torchrun(base: Path, out: Path, n: int) -> None:
+    script = base / "worker.py"
+    script.write_text(WORKER.format(commands=COMMAND), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    got = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                          str(script), str(base), str(out)], capture_output=True, text=True, env=env, timeout=900)
+    assert got.returncode == 0, got.stderr[-3000:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> object:
+    """torchrun starts its processes with OMP_NUM_THREADS=1; another thread count sums float32 products in
+    another order (values 1e-6 apart on this model), so this process computes with one thread too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The programs' outputs: 1 (one process, no shard), 2 and 3 (torchrun, before merging)."""
+    tmp = tmp_path_factory.mktemp("shards")
+    base = _programs(tmp)
+    outs = {1: tmp / "one"}
+    for name, command in COMMAND.items():
+        assert main([command, str(base / f"{name}.dl"), "--out", str(tmp / "one" / name)]) == 0
+    for n in (2, 3):
+        outs[n] = tmp / f"torchrun{n}"
+        _torchrun(base, outs[n], n)
+    return outs
+
+
+def _close(a: object, b: object) -> bool:
+    """Equal, numbers to float32 rounding (a record batched with others vs alone)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) or (math.isnan(a) and math.isnan(b))
+    return a == b
+
+
+def _csv(path: Path) -> list[dict[str, object]]:
+    def number(v: str) -> object:
+        try:
+            return float(v) if any(c in v for c in ".en") else v
+        except ValueError:
+            return v
+    return [{k: number(v) for k, v in r.items()} for r in csv.DictReader(open(path, newline="", encoding="utf-8"))]
+
+
+def _same_numbers(one: Path, merged: Path) -> None:
+    assert (one / "program.dl").read_bytes() == (merged / "program.dl").read_bytes()
+    for f in ("results.csv", "summary.csv"):
+        assert (one / f).read_text().splitlines()[0] == (merged / f).read_text().splitlines()[0]
+        assert _close(_csv(one / f), _csv(merged / f)), f
+    assert _close(json.loads((one / "summary.json").read_text()), json.loads((merged / "summary.json").read_text()))
+
+
+def _merge_is_exact(top: Path, n: int) -> None:
+    """The merged rows are the parts' rows in record order; its statistics are `stats_of` over them, exactly."""
+    parts = [r for k in range(n) for r in _csv(top / f"shard-{k}-of-{n}" / "results.csv")]
+    rows = _csv(top / "results.csv")
+    assert rows == sorted(parts, key=lambda r: int(r["record"]))  # type: ignore[arg-type]
+    for m in json.loads((top / "summary.json").read_text())["measures"]:
+        want = stats_of(m["measure"], [float(r["value"]) for r in rows if r["measure"] == m["measure"]])
+        assert [m[k] for k in ("mean", "std", "n", "ci_low", "ci_high")] == \
+            [getattr(want, k) for k in ("mean", "std", "n", "ci_low", "ci_high")]
+
+
+def _same_collection(a: Path, b: Path) -> None:
+    one, merged = deltalang.load_results(a), deltalang.load_results(b)
+    assert len(one) == len(merged) == len(RECORDS) and one.labels == merged.labels
+    for i in range(len(one)):
+        (ra, va), (rb, vb) = one[i], merged[i]
+        assert ra == rb and va.keys() == vb.keys()
+        for k in va:
+            torch.testing.assert_close(va[k], vb[k], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one.stack("s"), merged.stack("s"), rtol=1e-5, atol=1e-6)
+    cols = ["shard", "row"]
+    assert one.to_pandas().drop(columns=cols).equals(merged.to_pandas().drop(columns=cols))
+
+
+@needs_model
+@pytest.mark.parametrize("n", [2, 3])
+def test_torchrun_processes_merged_equal_one_process(runs: dict[int, Path], n: int,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for name in COMMAND:
+        top = runs[n] / name
+        parts = sorted(p.name for p in top.iterdir() if p.is_dir())
+        assert parts == [f"shard-{k}-of-{n}" for k in range(n)]
+        meta = json.loads((top / "shards.json").read_text())
+        assert meta["n"] == n and "merged" not in meta
+        with pytest.raises(DeltaError, match="not merged"):  # the parts alone are not results
+            load_saved(top)
+        assert main(["merge", str(top)]) == 0
+        if name == "sweep":  # each record alone: the same bytes
+            for f in FILES:
+                assert (top / f).read_bytes() == (runs[1] / name / f).read_bytes(), (name, f)
+        else:
+            _same_numbers(runs[1] / name, top)
+            _merge_is_exact(top, n)
+    _same_collection(runs[1] / "collect", runs[n] / "collect")
+    table = deltalang.load_results(runs[n] / "sweep").to_pandas()
+    assert sorted(set(table["record"])) == list(range(len(RECORDS)))
+
+
+@needs_model
+def test_each_shard_ran_only_its_own_records(runs: dict[int, Path]) -> None:
+    for n in (2, 3):
+        seen: list[int] = []
+        for k in range(n):
+            text = (runs[n] / "run" / f"shard-{k}-of-{n}" / "results.csv").read_text().splitlines()[1:]
+            seen.extend(sorted({int(line.split(",")[0]) for line in text}))
+        assert sorted(seen) == list(range(len(RECORDS)))  # each record once, in one shard
+
+
+# ---- a killed shard, missing and mismatched parts ---------------------------------------------------
+
+
+def _kill(part: Path) -> list[int]:
+    """The part as a shard killed half way leaves it: no done marker or final files, half its rows saved."""
+    rows = (part / "results.csv").read_text().splitlines()
+    records = sorted({int(r.split(",")[0]) for r in rows[1:]})
+    kept = records[: len(records) // 2]
+    (part / "results.partial.csv").write_text(
+        "\n".join([rows[0], *(r for r in rows[1:] if int(r.split(",")[0]) in kept)]) + "\n")
+    for f in ("done.json", *FILES):
+        (part / f).unlink()
+    progress = json.loads((part / "progress.json").read_text())
+    (part / "progress.json").write_text(json.dumps(dict(progress, done=kept, complete=False)))
+    return records[len(records) // 2:]
+
+
+@needs_model
+@pytest.mark.parametrize("name", ["sweep", "run"])
+def test_a_killed_shard_resumes_and_merges_equal(runs: dict[int, Path], tmp_path: Path, name: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    top = tmp_path / name
+    shutil.copytree(runs[3] / name, top)
+    assert main(["merge", str(top)]) == 0
+    unkilled = {f: (top / f).read_bytes() for f in FILES}
+    for f in FILES:
+        (top / f).unlink()
+    left = _kill(top / "shard-0-of-3")
+    capsys.readouterr()
+    assert main(["merge", str(top)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "shard(s) 0/3 of 3 not complete" in err and "shard-0-of-3" in err
+    assert main([COMMAND[name], str(runs[1].parent / "programs" / f"{name}.dl"), "--out", str(top), "--shard",
+                 "0/3", "--resume"]) == 0
+    err = capsys.readouterr().err
+    if name == "sweep":  # saved record by record: only the records not saved before run (a run: whole groups)
+        assert f"{len(left)} record(s) to run" in err and "done before" in err
+    assert main(["merge", str(top)]) == 0
+    for f in FILES:
+        assert (top / f).read_bytes() == unkilled[f], f
+        if name == "sweep":
+            assert (top / f).read_bytes() == (runs[1] / name / f).read_bytes(), f
+
+
+@needs_model
+def test_mismatched_and_missing_shards_are_one_line(runs: dict[int, Path], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    base = runs[1].parent / "programs"
+    top = tmp_path / "run"
+    shutil.copytree(runs[2] / "run", top)
+    other = base / "other.dl"
+    other.write_text(PROGRAMS["run"].replace("measure prob(facts.answer)\n", ""), encoding="utf-8")
+    cases = [
+        (["run", str(other), "--out", str(top), "--shard", "0/2"], "another program"),
+        (["run", str(base / "run.dl"), "--out", str(top), "--shard", "0/3"], "another number of shards"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, err
+    (top / "shard-2-of-3").mkdir()
+    assert main(["merge", str(top)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "split in 3" in err
+    (top / "shard-2-of-3").rmdir()
+    (top / "shard-0-of-2" / "done.json").unlink()
+    assert main(["merge", str(top)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "shard(s) 0/2 of 2 not complete" in err
+    with pytest.raises(DeltaError, match="0/2 of 2 not complete"):
+        deltalang.load_results(top)
+
+
+@needs_model
+def test_python_shards_merge_equal_one_process(runs: dict[int, Path], tmp_path: Path) -> None:
+    base = runs[1].parent / "programs"
+    source = PROGRAMS["sweep"]
+    for k in range(2):
+        part = deltalang.run(source, filename=str(base / "sweep.dl"), out=tmp_path / "s", shard=(k, 2))
+        assert {r["record"] for r in part.rows} < set(range(len(RECORDS)))
+    with pytest.raises(DeltaError, match="not merged"):
+        load_saved(tmp_path / "s")
+    deltalang.load_results(tmp_path / "s")
+    for f in FILES:
+        assert (tmp_path / "s" / f).read_bytes() == (runs[1] / "sweep" / f).read_bytes(), f
+    source, filename = PROGRAMS["run"], str(base / "run.dl")  # records alone (batch=False): the same bytes
+    deltalang.run(source, filename=filename, out=tmp_path / "r1", batch=False)
+    for k in range(3):
+        deltalang.run(source, filename=filename, out=tmp_path / "r3", batch=False, shard=f"{k}/3")
+    deltalang.load_results(tmp_path / "r3")
+    for f in FILES:
+        assert (tmp_path / "r3" / f).read_bytes() == (tmp_path / "r1" / f).read_bytes(), f
+    with pytest.raises(DeltaError, match="applies to a program over a dataset"):
+        deltalang.run("read L0.states", prompt="The Eiffel Tower is in", shard=(0, 2))
+
+
+ATTRIBUTION = """dataset facts = "facts.jsonl"
+sweep s on facts over L in L[linear], t in facts.subject, -1 method attribution steps 2 refine {refine} {{
+    write L.state_after(t) from facts.corrupt
+    measure logit_diff(facts.answer, facts.foil)
+}}
+"""
+
+
+@needs_model
+def test_an_attribution_over_a_dataset_sharded_merges_equal(runs: dict[int, Path], tmp_path: Path) -> None:
+    base = runs[1].parent / "programs"
+    source, filename = ATTRIBUTION.format(refine=0), str(base / "attribution.dl")
+    deltalang.run(source, filename=filename, out=tmp_path / "one")
+    for k in range(3):
+        deltalang.run(source, filename=filename, out=tmp_path / "three", shard=f"{k}/3")
+    merged = deltalang.load_results(tmp_path / "three")
+    assert merged.kind == "attribution over a dataset"
+    for f in FILES:
+        assert (tmp_path / "three" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
+    with pytest.raises(DeltaError, match="refine 3: the cells refined are the top of the mean") as e:
+        deltalang.run(ATTRIBUTION.format(refine=3), filename=filename, out=tmp_path / "r", shard=(0, 2))
+    assert "\n" not in str(e.value.message)
