@@ -146,6 +146,7 @@ def _over_dataset(text: str, filename: str) -> bool:
 def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     """`deltalang check` of a program over a dataset: its first record's plain program, and which records resolve."""
     from . import ast
+    from .dataset_generate import check_note
     from .dataset_run import load_datasets
     from .explain import format_resolved
     from .measures import refuse_per_token
@@ -172,6 +173,9 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     print(f"# {len(recs) - len(bad)} of {len(recs)} records resolve" + ("; left out:" if bad else ""))
     for r in bad:
         print(f"#   {ds.where(r.record)}: {' '.join(str(r.error.message).split()) if r.error else ''}")
+    note = check_note(recs)  # a generate over a dataset: what each record keeps, which records share forwards
+    if note is not None:
+        print(note)
     return 0
 
 

@@ -201,6 +201,17 @@ def shared_generates(plan: Plan) -> Plan:
     return attrs.evolve(plan, passes=tuple(attrs.evolve(p, index=i + 1) for i, p in enumerate(passes)))
 
 
+def check_note(resolutions: list[RecordResolution]) -> str | None:
+    """What `deltalang check` adds for a generate over a dataset: what each record keeps, which share forwards."""
+    if not generates(resolutions):
+        return None
+    first = next(r.resolved for r in resolutions if r.resolved is not None)
+    gens = ", ".join(f"'{run.name}' {run.max_new_tokens} new tokens" for run in first.runs if run.kind == "generate")
+    groups = generate_groups([r for r in resolutions if r.resolved is not None], True)
+    return (f"# a generate over a dataset ({gens}): each record's continuation and every measure at every step; "
+            f"records of one prompt length share a generate: {len(groups)} forward group(s) (deltalang emit --plan)")
+
+
 def describe(source: str, filename: str, spec: ModelSpec, datasets: Mapping[str, Dataset],
              merge: Callable[[list[tuple[int, Resolved]]], Resolved], *, plan: bool) -> str:
     """`deltalang emit [--plan]` of a generate over a dataset: the plan (or code) of its largest group of records

@@ -210,6 +210,8 @@ def test_check_and_emit_plan_describe_it(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["check", str(tmp_path / "g.dl")]) == 0
     got = capsys.readouterr().out
     assert "generate g on facts (8 tokens), max_new_tokens 4" in got and "# 6 of 6 records resolve" in got
+    assert "# a generate over a dataset ('g' 4 new tokens): each record's continuation and every measure at every " \
+        "step; records of one prompt length share a generate: 2 forward group(s)" in got
     assert main(["emit", "--plan", str(tmp_path / "g.dl")]) == 0
     plan = capsys.readouterr().out
     assert "records 1-5 of 6 of 'facts' share these forwards (2 groups in all;" in plan
