@@ -109,7 +109,7 @@ def check_main(args: argparse.Namespace) -> int:
     from .check import check
     from .errors import DeltaWarning
     from .explain import format_resolved
-    from .plan import build_plan
+    from .plan import checked_plan
 
     try:
         text, filename = read_program(args)
@@ -121,8 +121,8 @@ def check_main(args: argparse.Namespace) -> int:
                              prompt=getattr(args, "prompt", None),
                              trust_remote_code=getattr(args, "trust_remote_code", False))
         refuse_unused_prompt(resolved, getattr(args, "prompt", None))
-        try:  # what `run` would refuse while ordering the runs (a cycle, a step a run lacks)
-            build_plan(resolved)
+        try:  # what `run` would refuse while ordering the runs (a cycle, a step a run lacks), max_new_tokens aside
+            checked_plan(resolved)
         except DeltaError as e:
             raise e.located(text, filename) from None
     except DeltaError as e:

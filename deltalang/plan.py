@@ -263,11 +263,13 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
     edges: list[tuple[str, str, Any]] = []
     combines: list[Combine] = []
     implicit_why: dict[str, str] = {}
+    donated: set[tuple[str, str]] = set()  # (run, key) of the donor reads added: one look-up, not a scan of its ops
 
     def add_donor(run: str, layer: int | None, value: str, position: int | None, step: int | None,
                   for_run: str, why: Any) -> str:
         key = donor_key(run, layer, value, position, step)
-        if not any(o.key == key for o in ops[run]):
+        if (run, key) not in donated:  # a hidden key (`~...`) is never a read's own result name
+            donated.add((run, key))
             ops[run].append(PlanOp("read", layer, value, position, step, key, text=f"for {for_run}",
                                    span=_span(why)))
         edges.append((run, for_run, why))
@@ -319,7 +321,8 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
             ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, donor_key=dkey,
                                       source=with_donors(src, operand_keys), text=op.written, span=op.span,
                                       head=op.head))
-    measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor) for run, m in measures}
+    measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor, donated)
+                      for run, m in measures}
     forced: dict[str, tuple[tuple[int, ...], int]] = {}  # run -> (its tokens, the answer's length)
     for run, m in measures:
         if m.forced:
@@ -368,17 +371,20 @@ def _forced_reads(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]], ed
 
 
 def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]],
-                   add_donor: Any) -> tuple[str, ...]:
-    """The reads a measure needs: the logits of the run (and of the `kl` run), or the site; their keys."""
+                   add_donor: Any, donated: set[tuple[str, str]]) -> tuple[str, ...]:
+    """The reads a measure needs: the logits of the run (and of the `kl` run), or the site; their keys. `donated`:
+    the (run, key) of the hidden reads already added (a generate's measure per step: no scan of its ops each)."""
     step = m.step if r.kind == "generate" else None
     if m.kind in ("norm", "project"):
         key = measure_input_key(r.name, m)
-        if not any(o.key == key for o in ops[r.name]):
+        if (r.name, key) not in donated:
+            donated.add((r.name, key))
             ops[r.name].append(PlanOp("read", m.layer, m.value or "", m.position, step, key, text=m.written,
                                       span=m.span, reduce=m.reduce))
         return (key,)
     key = donor_key(r.name, None, "logits", None, step)
-    if not any(o.key == key for o in ops[r.name]):
+    if (r.name, key) not in donated:
+        donated.add((r.name, key))
         ops[r.name].append(PlanOp("read", None, "logits", None, step, key, text=m.written, span=m.span))
     if m.kind == "kl" and m.against is not None:
         return key, add_donor(m.against, None, "logits", None, kl_step(r, m, meta[m.against]), r.name, m)
@@ -457,3 +463,31 @@ def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:
         i = max(produced[k] for k in c.inputs)
         passes[i] = attrs.evolve(passes[i], then=passes[i].then + (c,))
     return Plan(tuple(passes), tuple(combines), tuple(measures), resolved, inputs)
+
+
+def steps_bound(resolved: Resolved) -> int | None:
+    """The generates' step count past which nothing a plan decides depends on it (None: no generate is longer).
+
+    A generate's ops and measures without `step K:` are one per step, and every error the plan finds compares a
+    step written (or every step of one generate) with another generate's count. Counts clipped to one past every
+    written step and every count but the largest keep each of those comparisons: the largest count is the only one
+    clipped, and stays above every other count and every written step.
+    """
+    gens = [r for r in resolved.runs if r.kind == "generate"]
+    counts = sorted({r.max_new_tokens or 1 for r in gens})
+    written = [x.step for r in gens for x in (*r.ops, *r.measures) if x.step is not None]
+    written += [s.step for r in resolved.runs for op in r.ops if isinstance(s := op.source, FromRun)
+                and s.step is not None]
+    bound = max([*written, *counts[:-1]], default=0) + 2
+    return bound if counts and counts[-1] > bound else None
+
+
+def checked_plan(resolved: Resolved) -> Plan:
+    """The plan `deltalang check` builds to find what `run` would refuse (a cycle, a step a run lacks) in a time
+    that does not grow with max_new_tokens: the generates' counts clipped at `steps_bound`."""
+    bound = steps_bound(resolved)
+    if bound is None:
+        return build_plan(resolved)
+    runs = tuple(attrs.evolve(r, max_new_tokens=min(r.max_new_tokens or 1, bound)) if r.kind == "generate" else r
+                 for r in resolved.runs)
+    return build_plan(attrs.evolve(resolved, runs=runs))

@@ -225,3 +225,60 @@ def test_f_a_generate_past_the_context_warns() -> None:
     got = [w for w in _warnings(over) if "context" in w.message]
     assert len(got) == 1 and f"of {limit}" in got[0].message and got[0].span.line == 2
     assert not [w for w in _warnings(fits) if "context" in w.message]
+
+
+# ---- (g) a long generate at check --------------------------------------------------------------------------
+
+LONG = HEAD + ("generate a on clean max_new_tokens 3 {{\n    read L4.state_after(-1)\n}}\n"
+               "generate g on clean max_new_tokens {n} {{\n    read L4.state_output\n    measure prob(\" Paris\")\n"
+               "{body}}}\n")
+
+
+def _check_seconds(text: str, capsys: pytest.CaptureFixture) -> tuple[float, int, str]:
+    import time
+
+    from deltalang.cli import main
+
+    t0 = time.perf_counter()
+    rc = main(["check", "-e", text])
+    seconds, got = time.perf_counter() - t0, capsys.readouterr()
+    return seconds, rc, got.out + got.err
+
+
+def test_g_check_of_a_hundred_million_new_tokens_answers_at_once(capsys: pytest.CaptureFixture) -> None:
+    """`check` plans a generate in a time that does not grow with max_new_tokens (it enumerated every step)."""
+    _check_seconds(LONG.format(n=4, body=""), capsys)  # the spec and tokenizer loaded once
+    small, rc_small, _ = _check_seconds(LONG.format(n=4, body=""), capsys)
+    big, rc_big, err = _check_seconds(LONG.format(n=100_000_000, body=""), capsys)
+    assert rc_small == 0 and rc_big == 0, err
+    assert big < small + 0.5, f"check took {big:.2f} s for 10^8 new tokens, {small:.2f} s for 4"
+    assert "past this model's context" in err
+
+
+@pytest.mark.parametrize("body", ["    measure kl(a)\n", "    step 2: measure kl(a)\n    step 5: read logits\n",
+                                  "    write L4.state_output from a\n", "    step 7: write L0.state_after(-1) from a\n",
+                                  "    step 1: write L0.state_after(-1) from a\n"])
+def test_g_check_finds_what_the_whole_plan_finds(body: str, capsys: pytest.CaptureFixture) -> None:
+    """The plan `check` builds refuses exactly what the full plan refuses, with the same words, and still does
+    past the steps it enumerates."""
+    from deltalang.errors import DeltaPlanError
+    from deltalang.plan import build_plan, checked_plan
+
+    def outcome(make: Any, n: int) -> str:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                resolved = check(LONG.format(n=n, body=body))
+            except DeltaError:
+                return "refused before the plan"
+        try:
+            make(resolved)
+        except DeltaPlanError as e:
+            return e.message
+        return "ok"
+
+    for n in (2, 3, 4, 40):
+        assert outcome(checked_plan, n) == outcome(build_plan, n), n
+    assert outcome(checked_plan, 100_000_000) == outcome(build_plan, 40)
+    _, rc, err = _check_seconds(LONG.format(n=100_000_000, body=body), capsys)
+    assert (rc == 0) == (outcome(build_plan, 40) == "ok"), err
