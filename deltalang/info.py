@@ -58,6 +58,8 @@ def served_by(spec: ModelSpec, name: str, notes: bool = True) -> str:
     fam = spec.family
     v = values.CATALOGUE[name]
     if name in ("states", "states_as_run"):
+        if fam.block_kind == values.SSM:
+            return "deltalang's chunked Mamba-2 scan (deltalang.ssd; torch, any device)"
         return "deltalang's chunked delta rule (torch, any device)"
     if name.startswith("conv_window"):
         words = "convolution: " + kernels.backend(fam, fam.conv_fn).describe()

@@ -275,7 +275,7 @@ def _attach_sites(hf: torch.nn.Module, spec: ModelSpec) -> dict[int, MixerSite]:
     sites: dict[int, MixerSite] = {}
     mixer_type = spec.family.mixer_type
     for i, block in enumerate(decoder_layers(hf)):
-        if spec.kind(i) != values.DELTANET:
+        if spec.kind(i) not in values.RECURRENT:  # a delta-rule or Mamba-2 block
             continue
         mixer = getattr(block, spec.family.mixer_attr, None)
         if not isinstance(mixer, mixer_type):

@@ -234,7 +234,7 @@ def _value_calls(v: values.Value) -> dict[str, Callable[..., Any]]:
 
 def _install_values(cls: type[DeltaNetEnvoy]) -> None:
     for v in values.CATALOGUE.values():
-        if values.DELTANET not in v.kinds or v.name == "output":  # `output`: the block's, not the mixer's
+        if not set(values.RECURRENT) & set(v.kinds) or v.name == "output":  # `output`: the block's, not the mixer's
             continue
         members: dict[str, Any] = _value_calls(v) if v.positional else {v.name: _value_property(v)}
         for member, attr in members.items():

@@ -1,4 +1,7 @@
-"""`MixerSite`: the model side of one DeltaNet mixer, tying its requests, kernel call and convolution together.
+"""`MixerSite`: the model side of one recurrent mixer, tying its requests, kernel call and convolution together.
+
+A delta-rule mixer's kernel calls are served by `state.DeltaRuleCall`, a Mamba-2 mixer's scan calls by
+`scan.SSDCall` (the family's mechanism says which); both share the convolution (`conv`).
 
 A site belongs to the transformers module (one per mixer, however often the
 model is wrapped: `mixer._deltalang_site`) and knows every wrapper that bound
@@ -28,14 +31,16 @@ from nnsight.intervention.interleaver import Interleaver
 
 from .. import deltarule, kernels
 from .conv import ConvWindows
+from .scan import SSDCall
 from .state import DeltaRuleCall
 
 if TYPE_CHECKING:
     from ..families import Family
 
 
-class MixerSite(DeltaRuleCall, ConvWindows):
-    """The model side of one DeltaNet mixer: hooks, and the values it serves (a `kernels.Site`)."""
+class MixerSite(DeltaRuleCall, SSDCall, ConvWindows):
+    """The model side of one recurrent mixer (delta rule or Mamba-2): hooks, and the values it serves (a
+    `kernels.Site`)."""
 
     def __init__(self, module: torch.nn.Module, family: "Family", layer: int, dims: dict[str, int]) -> None:
         self.module = module
@@ -73,6 +78,12 @@ class MixerSite(DeltaRuleCall, ConvWindows):
             if il is not None and il.interleaving:
                 return il, path
         return None, ""
+
+    def kernel(self, fn: Any, decode: bool, *args: Any, **kwargs: Any) -> Any:
+        """One call of the mixer's kernel, by its mechanism: the delta rule's, or Mamba-2's scan (`scan`)."""
+        if self.family.block_kind == "ssm":
+            return self.ssd_kernel(fn, decode, *args, **kwargs)
+        return DeltaRuleCall.kernel(self, fn, decode, *args, **kwargs)
 
     # -- hooks ---------------------------------------------------------------
 

@@ -1,0 +1,237 @@
+"""One Mamba-2 (SSD) scan call of a mixer: its values served beside it, the scan split where a write waits.
+
+The model side of `L[ssm]` values (`deltalang.ssd`, docs/mamba2.md). transformers' Mamba-2 mixers call
+`mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D=, dt_bias=, initial_states=, dt_softplus=, dt_limit=,
+return_final_states=)` on a prompt and `mamba2_selective_state_update(state, x, dt, A, B, C, D, z=, dt_bias=,
+dt_softplus=)` on a decode step (which updates `state`, the cache's, in place); the kernel dispatchers
+(`deltalang.kernels`) hand those calls here.
+
+A prompt: the scan's inputs are served first (C `output_matrices`, B `input_matrices`, x `scan_inputs`,
+`step_sizes` after bias, softplus and clamp, A `decay_rates`), then `state_input`, `states` (`ssd.per_token`
+beside the call), `state_after(t)`, `head_outputs` (the scan's y) and `state_output`. A trace that only
+reads runs the family's scan once, unchanged (its logits are those of the trace without the reads, bit for
+bit); `state_after(t)` comes from the same scan over the prefix tokens (what transformers' cache after t + 1
+tokens holds), the state after the last token from the call itself. Where a worker waits to write
+`state_after`, the scan runs up to that position, serves (and maybe replaces) the state there, re-reads
+token t's output from the written state and continues with `initial_states` from it, as `ssd.split` does.
+A written `step_sizes` is passed to the scan as the step sizes themselves (no bias, no softplus).
+
+A decode step serves `state_input` (the cached state before it), `state_after(0)` / `state_output` (after
+it; a write replaces the cache's state, `state_after(0)`'s also re-reads the token's output) and `states`.
+Every row of the batch is cut at the same positions; an invoke's worker is served its own rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import ssd
+from ..errors import DeltaValueError
+from .reads import read_only
+from .requests import Requests
+from .rows import _invokes
+
+if TYPE_CHECKING:
+    from ..families import Family
+
+# the prompt scan's inputs as served, in the mixer's forward order: (value, argument index)
+_INPUTS = (("output_matrices", 4), ("input_matrices", 3), ("scan_inputs", 0))
+
+
+class SSDCall(Requests):
+    """The Mamba-2 side of `MixerSite`: one scan call (prompt or decode step), serving what workers wait on."""
+
+    family: "Family"
+    dims: dict[str, int]
+
+    def ssd_kernel(self, fn: Callable[..., Any], decode: bool, *args: Any, **kw: Any) -> Any:
+        for packed in ("cu_seqlens", "seq_idx", "cu_seq_lens_q"):
+            if kw.get(packed) is not None:
+                raise DeltaValueError(f"L{self.layer}: packed sequences ({packed}) are run, not served: a trace "
+                                      f"that reads or writes a Mamba-2 value needs a padded batch")
+        return self._scan_step(fn, *args, **kw) if decode else self._scan_prompt(fn, *args, **kw)
+
+    # -- a prompt ----------------------------------------------------------------
+
+    def _scan_prompt(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        step = self.step()
+        names = ("hidden_states", "dt", "A", "B", "C", "chunk_size")
+        call = dict(zip(names, args)) | kw
+        inputs = [call.pop(n) for n in names[:5]]
+        chunk = call.pop("chunk_size")
+        want_final = bool(call.pop("return_final_states", False))
+        opts = {"D": call.pop("D", None), "dt_bias": call.pop("dt_bias", None),
+                "dt_softplus": bool(call.pop("dt_softplus", False)),
+                "dt_limit": call.pop("dt_limit", (0.0, float("inf")))}
+        initial = call.pop("initial_states", None)
+        for name, i in _INPUTS:
+            inputs[i] = self._per_token_input(name, inputs[i], step)
+        if self.wants("step_sizes"):
+            dt = ssd.step_sizes(inputs[1], opts["dt_bias"], opts["dt_softplus"], opts["dt_limit"])
+            new = self.serve("step_sizes", dt, step)
+            if new is not dt:  # the scan takes the written step sizes as they are
+                inputs[1] = self._per_token_input("step_sizes", new, step, like=dt, serve=False)
+                opts |= {"dt_bias": None, "dt_softplus": False, "dt_limit": (0.0, float("inf"))}
+        A = inputs[2]
+        new_A = self.serve("decay_rates", A, step)
+        if new_A is not A:
+            inputs[2] = self._checked(new_A, tuple(A.shape), "decay_rates", A)
+        initial = self._state_input(initial, inputs[0], step)
+
+        def run(a: int, e: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            x, dt, A_, B, C = inputs
+            return fn(x[:, a:e], dt[:, a:e], A_, B[:, a:e], C[:, a:e], chunk, initial_states=state,
+                      return_final_states=True, **opts, **call)
+
+        s = inputs[0].shape[1]
+        if self.wants("states"):
+            self.serve("states", ssd.per_token(*inputs, initial_states=initial, **opts)[1], step)
+        if read_only(self):
+            y, final = run(0, s, initial)
+            y, final = self._scan_reads(run, y, final, initial, step, inputs, opts["D"])
+        else:
+            y, final = self._scan_split(run, s, initial, step, inputs, opts["D"])
+        y = self._per_token_input("head_outputs", y, step)
+        new = self.serve("state_output", final, step)
+        if new is not final:
+            final = self._checked(new, tuple(final.shape), "state_output", final)
+        return (y, final) if want_final else y
+
+    def _scan_reads(self, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], y: torch.Tensor,
+                    final: torch.Tensor, initial: torch.Tensor | None, step: int, inputs: list[torch.Tensor],
+                    D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every `state_after` read, from the scan over its prefix (the last position: the call's own final
+        state). A worker that writes the state it was served (`= zeros` reads it first) makes a write there:
+        token p reads the written state, the scan runs on from p + 1, later reads start from it."""
+        s = y.shape[1]
+        base, start = 0, initial  # where the reads' prefixes start, and the state there
+        known: dict[int, torch.Tensor] = {}
+        done: set[str] = set()
+        while True:
+            asked = {p: [n for n in names if n not in done] for p, names in self.positions("state_after", step).items()}
+            asked = {p: names for p, names in asked.items() if names}
+            if not asked:
+                return y, final
+            p = min(asked)
+            if p not in known:
+                known[p] = final if p == s - 1 else (run(base, p + 1, start) if p >= base else run(0, p + 1, initial))[1]
+            for name in asked[p]:
+                done.add(name)
+                new = self._serve_rows(name, known[p], step)
+                if new is known[p]:
+                    continue
+                y = y.clone()  # never change a tensor a worker may hold
+                y[:, p] = ssd.read_state(inputs[4][:, p], new, inputs[0][:, p], D).to(y.dtype)
+                if p + 1 < s:
+                    tail, final = run(p + 1, s, new)
+                    y[:, p + 1:] = tail
+                else:
+                    final = new
+                base, start, known = p + 1, new, {p: new}
+
+    def _scan_split(self, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], s: int, initial: torch.Tensor | None,
+               step: int, inputs: list[torch.Tensor], D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scan in segments ending at each asked position, continued from the state there (maybe written)."""
+        pieces: list[torch.Tensor] = []
+        pos, state = 0, initial
+        while pos < s:
+            later = sorted(p for p in self.positions("state_after", step) if p >= pos)
+            end = later[0] + 1 if later else s
+            y, state = run(pos, end, state)
+            if later:
+                p = later[0]
+                for name in self._names_at("state_after", step, p):
+                    new = self._serve_rows(name, state, step)
+                    if new is not state:
+                        state = new
+                        y = y.clone()  # token p reads the state it has just written
+                        y[:, -1] = ssd.read_state(inputs[4][:, p], state, inputs[0][:, p], D).to(y.dtype)
+            pieces.append(y)
+            pos = end
+        assert state is not None
+        return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]), state
+
+    # -- a decode step -------------------------------------------------------------
+
+    def _scan_step(self, fn: Callable[..., Any], state: torch.Tensor, hidden_states: torch.Tensor, dt: torch.Tensor,
+              A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None, **kw: Any) -> Any:
+        step = self.step()
+        served = state.clone()
+        new = self.serve("state_input", served, step)
+        if new is not served:
+            state.copy_(self._checked(new, tuple(state.shape), "state_input", state))
+        out = fn(state, hidden_states, dt, A, B, C, D, **kw)
+        if self.wants("states"):
+            self.serve("states", state.float().unsqueeze(1).clone(), step)
+        for name in self._names_at("state_after", step, 0):
+            served = state.float().clone()
+            new = self._serve_rows(name, served, step)
+            if new is not served:  # the cache continues from it; the token reads it
+                state.copy_(new.to(state.dtype))
+                y = ssd.read_state(C, new, hidden_states, D[:, 0] if D is not None and D.dim() == 2 else D)
+                z = kw.get("z")
+                if z is not None:
+                    y = y * F.silu(z.float())
+                out = y.to(out.dtype)
+        served = state.float().clone()
+        new = self.serve("state_output", served, step)
+        if new is not served:
+            state.copy_(self._checked(new, tuple(state.shape), "state_output", state))
+        return out
+
+    # -- serving -------------------------------------------------------------------
+
+    def _serve_rows(self, name: str, state: torch.Tensor, step: int) -> torch.Tensor:
+        """Serve `state_after` request `name` its invoke's rows of `state`: `state` itself if nothing was
+        written, else a new tensor holding the written rows."""
+        b = state.shape[0]
+        invokes = _invokes(self, b)
+        rows = invokes.get(int(name.rsplit("@", 1)[1])) if "@" in name and invokes is not None else None
+        if rows is None or rows == list(range(b)):
+            new = self.serve(name, state, step)
+            return state if new is state else self._checked(new, tuple(state.shape), "state_after", state)
+        part = state[rows]
+        new = self.serve(name, part, step)
+        if new is part:
+            return state
+        out = state.clone()
+        out[rows] = self._checked(new, tuple(part.shape), "state_after", part)
+        return out
+
+    def _state_input(self, initial: torch.Tensor | None, x: torch.Tensor, step: int) -> torch.Tensor | None:
+        """`state_input`: a copy of the state the call starts from (zeros where a write waits on a fresh prompt)."""
+        served = initial.clone() if initial is not None else None
+        if served is None and self._writes("state_input"):
+            d = self.dims
+            served = torch.zeros((x.shape[0], d["heads"], d["head_dim"], d["d_state"]), dtype=torch.float32,
+                                 device=x.device)
+        new = self.serve("state_input", served, step)
+        if new is not served:
+            shape = (x.shape[0], self.dims["heads"], self.dims["head_dim"], self.dims["d_state"])
+            return self._checked(new, shape, "state_input", x)
+        return initial if initial is not None else served
+
+    def _per_token_input(self, name: str, value: torch.Tensor, step: int, like: torch.Tensor | None = None,
+                         serve: bool = True) -> torch.Tensor:
+        """Serve a per-token value of the scan call; a write must keep its shape (a state's heads broadcast)."""
+        new = self.serve(name, value, step) if serve else value
+        if new is value and serve:
+            return value
+        like = value if like is None else like
+        return self._checked(new, tuple(like.shape), name, like)
+
+    def _checked(self, new: Any, shape: tuple[int, ...], name: str, like: torch.Tensor) -> torch.Tensor:
+        if not isinstance(new, torch.Tensor):
+            raise DeltaValueError(f"L{self.layer}.{name}: a write must be a tensor, got {type(new).__name__}")
+        if tuple(new.shape) != shape:
+            if tuple(new.shape) == shape[1:]:
+                new = new.unsqueeze(0).expand(shape)
+            else:
+                raise DeltaValueError(f"L{self.layer}.{name}: a write of shape {list(new.shape)} does not fit "
+                                      f"{list(shape)}")
+        if not new.is_floating_point():
+            raise DeltaValueError(f"L{self.layer}.{name}: a write must be floating point, got {new.dtype}")
+        return new.to(device=like.device, dtype=like.dtype)

@@ -1,0 +1,223 @@
+"""deltalang's values on Mamba-2 (SSD) blocks, against transformers' own cache, on tiny checkpoints.
+
+Ground truth is a plain transformers model of the same checkpoint (its own instance, no deltalang site):
+its cache after running the first t + 1 tokens holds the true state after token t
+(`get_recurrent_state(i)`) and the convolution window (`get_conv_state(i)`, less the column the next
+token drops). A write of the state after t is transformers run on tokens 0..t-1, then token t as a
+one-token step whose state update is replaced by the written state (token t reads it: y = h C + D x), then
+the rest of the prompt continued from that cache. Nothing is compared with deltalang's own output, except
+the logits of a trace with reads against the same model's trace without them (bit for bit).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import deltalang
+from deltalang import compat, ssd, testing_ssd
+
+SERVED = ("bamba", "granitemoehybrid")
+PROMPT_LEN = 13  # crosses the tiny configs' chunk of 8
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-4) -> None:
+    scale = max(1.0, float(want.abs().max()))
+    err = float((got.float() - want.float()).abs().max())
+    assert err <= tol * scale, f"max |diff| {err:.3g} > {tol:g} * {scale:.3g}"
+
+
+@functools.lru_cache(maxsize=None)
+def _models(name: str) -> tuple[Any, Any]:
+    """(deltalang's model, a plain transformers model of the same checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    path = testing_ssd.tiny_ssd_checkpoint(name)
+    return deltalang.load_model(path), AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _ids(n: int = PROMPT_LEN, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 259, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _forward(hf: Any, ids: torch.Tensor, cache: Any = None, start: int = 0) -> Any:
+    kw: dict[str, Any] = {"use_cache": True}
+    if cache is not None:
+        kw |= compat.cache_kwargs(cache, hf)
+    if "position_ids" in inspect.signature(type(hf).forward).parameters:
+        kw["position_ids"] = torch.arange(start, start + ids.shape[1])[None]
+    with torch.no_grad():
+        return hf(ids, **kw)
+
+
+def _ssm(hf: Any) -> list[int]:
+    return [i for i, _ in testing_ssd.ssd_mixers(hf)]
+
+
+def _cache_after(hf: Any, ids: torch.Tensor, t: int) -> Any:
+    return compat.output_cache(_forward(hf, ids[:, :t + 1]))
+
+
+@contextmanager
+def _step_replaced(name: str, hf: Any, new: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside the block, each layer of `new`'s one-token state update ends in its state, which its token reads."""
+    module = testing_ssd.modeling_module(name)
+    original = getattr(module, ssd.STEP_GLOBAL)
+    current = [-1]
+    hooks = [m.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i))
+             for i, m in testing_ssd.ssd_mixers(hf)]
+
+    def step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+        out = original(state, x, dt, A, B, C, D, **kw)
+        if current[0] not in new:
+            return out
+        state.copy_(new[current[0]].to(state.dtype))
+        heads = state.shape[1]
+        Ch = C.float().repeat_interleave(heads // C.shape[1], dim=1)  # [b, h, N]
+        y = (state.float() @ Ch[..., None])[..., 0] + D.float() * x.float()  # D: [h, P] as the mixer passes it
+        return y.to(out.dtype)
+    setattr(module, ssd.STEP_GLOBAL, step)
+    try:
+        yield
+    finally:
+        setattr(module, ssd.STEP_GLOBAL, original)
+        for h in hooks:
+            h.remove()
+
+
+def _written_logits(name: str, hf: Any, ids: torch.Tensor, new: dict[int, torch.Tensor], t: int) -> torch.Tensor:
+    """transformers' logits of tokens t.. with the state after t of each layer of `new` replaced (the module doc)."""
+    cache = compat.output_cache(_forward(hf, ids[:, :t])) if t > 0 else None
+    assert cache is not None, "the tests write after t >= 1"
+    with _step_replaced(name, hf, new):
+        out = _forward(hf, ids[:, t:t + 1], cache, start=t)
+    logits = [out.logits]
+    if t + 1 < ids.shape[1]:
+        logits.append(_forward(hf, ids[:, t + 1:], compat.output_cache(out), start=t + 1).logits)
+    return torch.cat(logits, dim=1)
+
+
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_the_state_and_window_after_every_prefix_are_the_cache(name: str) -> None:
+    model, hf = _models(name)
+    ids = _ids()
+    layers = _ssm(hf)
+    assert model.spec.ssm_layers() == layers and model.spec.linear_layers() == []
+    s = ids.shape[1]
+    got: dict[Any, Any] = {}
+    with torch.no_grad(), model.trace(ids):
+        for i in layers:
+            mixer = model.layers[i].linear_attn
+            for t in range(s):
+                got[i, "conv", t] = mixer.conv_window_after(t).save()
+            got[i, "states"] = mixer.states.save()
+            for t in range(s):
+                got[i, "state", t] = mixer.state_after(t).save()
+    for t in range(s):
+        cache = _cache_after(hf, ids, t)
+        for i in layers:
+            want = cache.get_recurrent_state(i)
+            _close(got[i, "state", t], want)
+            _close(got[i, "states"][:, t], want)
+            _close(got[i, "conv", t], cache.get_conv_state(i)[:, :, 1:])
+            assert got[i, "state", t].shape == (1, *[model.spec.dims[k] for k in ("heads", "head_dim", "d_state")])
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_reads_leave_the_logits_bit_for_bit(name: str) -> None:
+    model, _ = _models(name)
+    ids = _ids()
+    with torch.no_grad():
+        with model.trace(ids):
+            plain = model.logits.save()
+        with model.trace(ids):
+            for i in model.spec.ssm_layers():
+                mixer = model.layers[i].linear_attn
+                mixer.conv_window_after(2).save()
+                for value in ("output_matrices", "input_matrices", "scan_inputs", "step_sizes", "decay_rates",
+                              "states"):
+                    getattr(mixer, value).save()
+                mixer.state_after(3).save()
+                mixer.state_after(-1).save()
+                mixer.head_outputs.save()
+                mixer.state_output.save()
+            read = model.logits.save()
+    assert torch.equal(plain, read)
+
+
+@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_written_state_is_what_the_later_tokens_continue_from(name: str, where: str) -> None:
+    model, hf = _models(name)
+    ids = _ids()
+    layers = _ssm(hf)
+    layer = layers[0] if where == "first" else layers[-1]
+    t = 5
+    shape = (1, *[model.spec.dims[k] for k in ("heads", "head_dim", "d_state")])
+    donor = _cache_after(hf, _ids(seed=7), 9).get_recurrent_state(layer).clone()
+    for new in (torch.zeros(shape), donor):
+        with torch.no_grad(), model.trace(ids):
+            model.layers[layer].linear_attn.set_state_after(t, new)
+            got = model.logits.save()
+        want = _written_logits(name, hf, ids, {layer: new}, t)
+        _close(got[:, t:], want, tol=1e-3)
+        with torch.no_grad():
+            clean = _forward(hf, ids).logits
+        assert float((got[:, t + 1:] - clean[:, t + 1:]).abs().max()) > 1e-4  # the write changes what follows
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_a_read_after_a_write_sees_the_written_state(name: str) -> None:
+    model, hf = _models(name)
+    ids = _ids()
+    layer = _ssm(hf)[0]
+    donor = _cache_after(hf, _ids(seed=3), 4).get_recurrent_state(layer).clone()
+    with torch.no_grad(), model.trace(ids):
+        model.layers[layer].linear_attn.set_state_after(2, donor)
+        later = model.layers[layer].linear_attn.state_after(6).save()
+    # ground truth: the cache after token 6, continued from the donor's state after token 2
+    cache = compat.output_cache(_forward(hf, ids[:, :2]))
+    with _step_replaced(name, hf, {layer: donor}):
+        out = _forward(hf, ids[:, 2:3], cache, start=2)
+    cache = compat.output_cache(_forward(hf, ids[:, 3:7], compat.output_cache(out), start=3))
+    _close(later, cache.get_recurrent_state(layer))
+
+
+def test_ssm_and_linear_selectors_on_granitemoehybrid() -> None:
+    """granitemoehybrid's config calls its Mamba-2 blocks `linear_attention`: `L[ssm]` selects them, `L[linear]`
+    none (an error naming it), `L*` of a DeltaNet-only value none."""
+    from deltalang.errors import DeltaError
+
+    spec = deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint("granitemoehybrid"))
+    kinds = list(spec.config.layer_types)
+    want = [i for i, k in enumerate(kinds) if k == "linear_attention"]
+    assert len(want) == 3 and spec.ssm_layers() == want and spec.linear_layers() == []
+    r = deltalang.check("read L[ssm].states\nread L[ssm].state_after(2)", spec, prompt="abcdef")
+    assert sorted({op.layer for op in r.run("main").ops}) == want
+    for text, words in (("read L[linear].states", "no linear blocks"),
+                        ("read L*.attention_keys", "no block of this model has 'attention_keys'"),
+                        ("read L2.step_sizes", "no Mamba-2 mixer on this block")):
+        with pytest.raises(DeltaError) as err:
+            deltalang.check(text, spec, prompt="abcdef")
+        assert words in str(err.value)
+
+
+def test_a_program_writes_every_ssm_block() -> None:
+    """`write L[ssm].state_after(t) = zeros` through the language equals transformers with every Mamba-2
+    block's state after t replaced by zeros."""
+    model, hf = _models("bamba")
+    text = 'prompt p = "The tower of"\ntrace w on p {\n    write L[ssm].state_after(4) = zeros\n    read logits\n}\n'
+    res = deltalang.run(text, model=model)
+    ids = model.tokenizer("The tower of", return_tensors="pt")["input_ids"]
+    shape = (1, *[model.spec.dims[k] for k in ("heads", "head_dim", "d_state")])
+    want = _written_logits("bamba", hf, ids, {i: torch.zeros(shape) for i in _ssm(hf)}, 4)
+    _close(res["w.logits"][:, 4:], want, tol=1e-3)
