@@ -194,7 +194,7 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
     refuse_per_record_vectors(resolutions, source, filename)
     part = shard_of(shard)
-    kind = "collection" if collects(resolutions) else "run"
+    kind = "generate" if generates(resolutions) else "collection" if collects(resolutions) else "run"
     resolutions, out = select(ds, resolutions, part, out, source, kind, model.spec.model_id)
     skipped = left_out(ds, resolutions, strict)
     if generates(resolutions):  # each record's continuation and measures per step (`deltalang.dataset_generate`)

@@ -13,6 +13,7 @@ from LOCAL_RANK where not given (`deltalang.shards`). Imports are lazy, so `delt
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable
 
 from .errors import DeltaError
@@ -49,11 +50,11 @@ def launch_defaults(args: argparse.Namespace) -> None:
     if hasattr(args, "shard"):
         args.shard = shard_of(args.shard) if args.shard is not None else from_env()
     if args.device is None:
-        device = launch_device()
-        if device is not None:
+        device = None
+        if from_env() is not None and "LOCAL_RANK" in os.environ:
             import torch
 
-            device = device if torch.cuda.is_available() else None
+            device = launch_device(torch.cuda.device_count() if torch.cuda.is_available() else 0)
         args.device = device or "cpu"
 
 

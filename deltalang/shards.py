@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -76,10 +77,13 @@ def from_env(environ: Mapping[str, str] | None = None) -> Shard | None:
     return shard if shard is not None and shard.n > 1 else None
 
 
-def launch_device(environ: Mapping[str, str] | None = None) -> str | None:
-    """`cuda:LOCAL_RANK` for a process `torchrun` or `accelerate launch` started (None without LOCAL_RANK)."""
+def launch_device(count: int, environ: Mapping[str, str] | None = None) -> str | None:
+    """`cuda:LOCAL_RANK` (modulo the `count` GPUs: more processes than GPUs share them) for a process `torchrun` or
+    `accelerate launch` started; None without LOCAL_RANK or without a GPU."""
     env = os.environ if environ is None else environ
-    return f"cuda:{int(env['LOCAL_RANK'])}" if from_env(env) is not None and "LOCAL_RANK" in env else None
+    if from_env(env) is None or "LOCAL_RANK" not in env or count < 1:
+        return None
+    return f"cuda:{int(env['LOCAL_RANK']) % count}"
 
 
 def split(tokens: Sequence[int], n: int) -> list[int]:
@@ -109,6 +113,9 @@ def select(ds: Dataset, resolutions: list[RecordResolution], shard: Shard | None
     """The shard's records and where it writes (`DIR/shard-K-of-N`; `out` as it is without a shard)."""
     if shard is None:
         return resolutions, None if out is None else Path(out)
+    if kind == "generate":
+        raise DeltaError(f"--shard {shard.k}/{shard.n}: a generate over a dataset is not split across processes yet "
+                         f"(its parts have no merge); run it in one process")
     mine = [r for r, k in zip(resolutions, split([record_tokens(r) for r in resolutions], shard.n)) if k == shard.k]
     if out is None:
         return mine, None
@@ -126,7 +133,7 @@ def _claim(top: Path, meta: dict[str, Any]) -> None:
     """Create `top/shards.json` (first shard to start) or check that it is this run's."""
     try:
         top.mkdir(parents=True, exist_ok=True)
-        tmp = top / f".{MANIFEST}.{os.getpid()}.tmp"
+        tmp = top / f".{MANIFEST}.{uuid.uuid4().hex}.tmp"  # this process's own (job arrays: several machines)
         tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
         try:
             os.link(tmp, top / MANIFEST)

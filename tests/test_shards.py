@@ -102,8 +102,10 @@ def test_a_shard_is_named_given_or_from_a_launcher() -> None:
         assert "\n" not in str(e.value.message)
     assert from_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}) == Shard(2, 4)
     assert from_env({"RANK": "0", "WORLD_SIZE": "1"}) is None and from_env({}) is None
-    assert launch_device({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == "cuda:1"
-    assert launch_device({"LOCAL_RANK": "1"}) is None
+    assert launch_device(8, {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == "cuda:1"
+    assert launch_device(2, {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}) == "cuda:1"  # GPUs shared
+    assert launch_device(0, {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) is None  # no GPU: the CPU
+    assert launch_device(8, {"LOCAL_RANK": "1"}) is None
 
 
 # ---- torchrun on the CPU, merged, against one process ----------------------------------------------
@@ -357,3 +359,11 @@ def test_an_attribution_over_a_dataset_sharded_merges_equal(runs: dict[int, Path
     with pytest.raises(DeltaError, match="refine 3: the cells refined are the top of the mean") as e:
         deltalang.run(ATTRIBUTION.format(refine=3), filename=filename, out=tmp_path / "r", shard=(0, 2))
     assert "\n" not in str(e.value.message)
+
+
+def test_a_generate_over_a_dataset_is_refused_one_line(tmp_path: Path) -> None:
+    base = _programs(tmp_path)
+    source = 'dataset facts = "facts.jsonl"\ngenerate g on facts max_new_tokens 2 {\n    measure prob(facts.answer)\n}\n'
+    with pytest.raises(DeltaError, match="a generate over a dataset is not split") as e:
+        deltalang.run(source, filename=str(base / "g.dl"), out=tmp_path / "g", shard=(0, 2))
+    assert "\n" not in str(e.value.message) and not (tmp_path / "g").exists()
