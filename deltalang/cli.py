@@ -354,10 +354,6 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltalang", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"deltalang {__version__}",
-                        help="print deltalang's version and exit")
 def merge_main(args: argparse.Namespace) -> int:
     """`deltalang merge DIR`: join the parts the shards of a run wrote in DIR (`deltalang.merge`)."""
     from .merge import merge
@@ -365,6 +361,10 @@ def merge_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deltalang", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"deltalang {__version__}",
+                        help="print deltalang's version and exit")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an internal error")
     sub = parser.add_subparsers(dest="command", required=True)
     debug = argparse.ArgumentParser(add_help=False)  # --debug after the command too
@@ -410,11 +410,11 @@ def merge_main(args: argparse.Namespace) -> int:
         if name in ("run", "sweep"):
             p.add_argument("--strict", action="store_true",
                            help="over a dataset: stop at a record that does not resolve (default: leave it out)")
+            p.add_argument("--shard", metavar="K/N", help="over a dataset: shard K (from 0) of N (docs/shards.md)")
         if name == "run":
             p.add_argument("--resume", action="store_true",
                            help="over a dataset: continue the run in --out DIR, keeping the records done")
         if name == "sweep":
-            p.add_argument("--shard", metavar="K/N", help="over a dataset: shard K (from 0) of N (docs/shards.md)")
             p.add_argument("--resume", action="store_true", help="continue the sweep in --out DIR, keeping its cells")
             p.add_argument("--batch-size", type=int, default=None, help="cells per forward (default: from memory)")
             p.add_argument("--normalise", default=None, metavar="clean=RUN,corrupted=RUN",
@@ -430,13 +430,13 @@ def merge_main(args: argparse.Namespace) -> int:
         elif name == "emit":
             p.add_argument("--plan", action="store_true", help="print the plan instead of the code")
         p.set_defaults(func=func)
+    p = sub.add_parser("merge", parents=[debug], help="join the parts of a run split by --shard in DIR")
+    p.add_argument("dir", help="the --out DIR the shards wrote into")
+    p.set_defaults(func=merge_main)
     return parser
 
 
 def _quiet_transformers() -> None:
-    p = sub.add_parser("merge", parents=[debug], help="join the parts of a run split by --shard in DIR")
-    p.add_argument("dir", help="the --out DIR the shards wrote into")
-    p.set_defaults(func=merge_main)
     """No progress bars or kernel fall-back notices on the command line: its output is the program's
     (`quiet.quiet_transformers`, which `load_model` uses too)."""
     from .quiet import quiet_transformers
