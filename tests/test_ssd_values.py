@@ -22,7 +22,7 @@ import torch
 import deltalang
 from deltalang import compat, ssd, testing_ssd
 
-SERVED = ("bamba", "granitemoehybrid")
+SERVED = ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h")  # zamba2, mamba2: not yet (see docs/mamba2.md)
 PROMPT_LEN = 13  # crosses the tiny configs' chunk of 8
 
 
@@ -81,6 +81,8 @@ def _step_replaced(name: str, hf: Any, new: dict[int, torch.Tensor]) -> Iterator
         heads = state.shape[1]
         Ch = C.float().repeat_interleave(heads // C.shape[1], dim=1)  # [b, h, N]
         y = (state.float() @ Ch[..., None])[..., 0] + D.float() * x.float()  # D: [h, P] as the mixer passes it
+        if kw.get("z") is not None:  # falcon_h1 gates a decode step's output in the kernel call
+            y = y * torch.nn.functional.silu(kw["z"].float())
         return y.to(out.dtype)
     setattr(module, ssd.STEP_GLOBAL, step)
     try:
@@ -172,7 +174,11 @@ def test_a_written_state_is_what_the_later_tokens_continue_from(name: str, where
         _close(got[:, t:], want, tol=1e-3)
         with torch.no_grad():
             clean = _forward(hf, ids).logits
-        assert float((got[:, t + 1:] - clean[:, t + 1:]).abs().max()) > 1e-4  # the write changes what follows
+        # the write changes what follows by far more than deltalang and transformers differ (falcon_h1's tiny
+        # Mamba-2 blocks move its logits by ~1e-5 only: its written state is checked in the read-after-write test)
+        err = float((got[:, t:] - want).abs().max())
+        if name != "falcon_h1":
+            assert float((got[:, t + 1:] - clean[:, t + 1:]).abs().max()) > 10 * err
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -189,7 +195,10 @@ def test_a_read_after_a_write_sees_the_written_state(name: str) -> None:
     with _step_replaced(name, hf, {layer: donor}):
         out = _forward(hf, ids[:, 2:3], cache, start=2)
     cache = compat.output_cache(_forward(hf, ids[:, 3:7], compat.output_cache(out), start=3))
-    _close(later, cache.get_recurrent_state(layer))
+    want = cache.get_recurrent_state(layer)
+    _close(later, want)
+    clean = _cache_after(hf, ids, 6).get_recurrent_state(layer)
+    assert float((clean - want).abs().max()) > 100 * float((later - want).abs().max())  # the write shows
 
 
 def test_ssm_and_linear_selectors_on_granitemoehybrid() -> None:
