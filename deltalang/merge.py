@@ -133,8 +133,11 @@ def _sweep(dirs: list[Path], ds: Dataset, header: list[str], rows: list[dict[str
     first = _summary(dirs[0])
     axes = {s: tuple((v, tuple(labels)) for v, labels in a.items()) for s, a in first["axes"].items()}
     variables = header[header.index("sweep") + 1:header.index("measure")]
-    rows = [{k: v for k, v in r.items() if k not in variables or v != ""} for r in rows]
-    return cell_results(ds, rows, skipped, axes, program, Normalise.parse(first["normalise"]))
+    tokens = "position" in header  # per-token measures (`sweep.aligned`): a token's rows, a cell's other rows
+    rows = [{k: int(v) if k == "token" and v != "" else v for k, v in r.items()
+             if k not in (*variables, "position", "token") or v != ""} for r in rows]
+    return cell_results(ds, rows, skipped, axes, program, Normalise.parse(first["normalise"]),
+                        first.get("align") if tokens else None)
 
 
 def _attribution(dirs: list[Path], ds: Dataset, header: list[str], rows: list[dict[str, Any]],

@@ -367,3 +367,17 @@ def test_a_generate_over_a_dataset_is_refused_one_line(tmp_path: Path) -> None:
     with pytest.raises(DeltaError, match="a generate over a dataset is not split") as e:
         deltalang.run(source, filename=str(base / "g.dl"), out=tmp_path / "g", shard=(0, 2))
     assert "\n" not in str(e.value.message) and not (tmp_path / "g").exists()
+
+
+@needs_model
+def test_a_per_token_sweep_sharded_merges_equal(tmp_path: Path) -> None:
+    base = _programs(tmp_path)
+    source = PROGRAMS["sweep"].replace("    measure logit_diff", "    measure norm(L6.states)\n    measure logit_diff")
+    filename = str(base / "tokens.dl")
+    deltalang.run(source, filename=filename, out=tmp_path / "one")
+    for k in range(2):
+        deltalang.run(source, filename=filename, out=tmp_path / "two", shard=(k, 2))
+    deltalang.load_results(tmp_path / "two")
+    assert "position" in (tmp_path / "one" / "results.csv").read_text().splitlines()[0]
+    for f in FILES:
+        assert (tmp_path / "two" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
