@@ -8,12 +8,15 @@ Works on anything with `kind`, `route` and `n_tokens` (a `plan.RunPlan`).
 deltalang never hands transformers a batch it cannot run: `padding_refused(spec)` says why a model's
 left-padded forward fails (Kimi-Linear with fewer key-value heads than attention heads: transformers'
 attention mask does not broadcast over its heads), and then only runs of one length share a forward
-(`batch_stage(pad=False)`), which `emit --plan` says.
+(`batch_stage(pad=False)`), which `emit --plan` says. `steps_bound`: the step count past which a plan's
+decisions do not depend on a generate's max_new_tokens (`plan.checked_plan`, what `check` builds).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence, TypeVar
+
+from .ir import FromRun, Resolved
 
 R = TypeVar("R", bound=Any)
 
@@ -58,3 +61,21 @@ def batch_stage(stage: Sequence[R], batch: bool = True, max_tokens: int = BATCH_
             current.append(run)
         shared.append(current)
     return shared + groups
+
+
+def steps_bound(resolved: Resolved) -> int | None:
+    """The generates' step count past which nothing a plan decides depends on it (None: no generate is longer).
+
+    A generate's ops and measures without `step K:` are one per step, and every error the plan finds compares a
+    step written (or every step of one generate) with another generate's count. Counts clipped to one past every
+    written step and every count but the largest keep each of those comparisons: the largest count is the only one
+    clipped, and stays above every other count and every written step.
+    """
+    gens = [r for r in resolved.runs if r.kind == "generate"]
+    counts = sorted({r.max_new_tokens or 1 for r in gens})
+    written = [x.step for r in gens for x in (*r.ops, *r.measures) if x.step is not None]
+    written += [s.step for r in resolved.runs for op in r.ops if isinstance(s := op.source, FromRun)
+                and s.step is not None]
+    bound = max([*written, *counts[:-1]], default=0) + 2
+    return bound if counts and counts[-1] > bound else None
+

@@ -241,7 +241,7 @@ def run_main(args: argparse.Namespace) -> int:
     if args.resume:
         raise DeltaError("--resume continues a run over a dataset or a sweep; this program runs at once: drop it")
     t1 = time.perf_counter()
-    results = exp.run()
+    results = exp.run(progress=True)  # a generate's steps on stderr, one line updated in place
     t2 = time.perf_counter()
     print(results.summary())
     print(f"({len(exp.plan.passes)} pass(es); compile {1000 * (t1 - t0):.0f} ms incl. model load, "
@@ -479,8 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DeltaError as e:
         print(e.render(), file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a generate's progress says how far it got (`compiled.StepProgress`)
+        print("interrupted" + (f" {e}" if str(e) else ""), file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the one place every other exception ends
         if _out_of_memory(e):  # the machine's limit, not a bug and not the program's mistake

@@ -24,6 +24,7 @@ from .check import check
 from .emit import emit
 from .errors import DeltaError, Span
 from .explain import format_plan
+from .html import ProgressDisplay, progress_bar
 from .model import DeltaModel, load_model
 from .parse import parse
 from .plan import Plan, build_plan
@@ -109,8 +110,12 @@ class Experiment:
         """The name `code` is saved under: a sweep's code is the reference form the engine does not run."""
         return "reference.py" if self.has_sweeps else "emitted.py"
 
-    def run(self) -> Results:
-        """Execute the emitted code on the model; sweeps go through the sweep driver (`deltalang.sweep`)."""
+    def run(self, progress: Any = None) -> Results:
+        """Execute the emitted code on the model; sweeps go through the sweep driver (`deltalang.sweep`).
+
+        `progress`: a rich `Console` (a notebook's), or True for one on stderr (the command line), on which a
+        program with a generate shows its steps as the model makes them (`StepProgress`); None shows nothing.
+        """
         if self.has_sweeps:
             if self.sweep_driver is None:
                 raise DeltaError("a program with sweeps runs through the sweep engine: deltalang.run(...), "
@@ -121,7 +126,8 @@ class Experiment:
         namespace: dict[str, Any] = {"__name__": "deltalang_emitted", "__file__": name}
         exec(builtins.compile(self.code, name, "exec"), namespace)
         try:
-            values = namespace["experiment"](self.model)
+            with StepProgress(self.model, self.plan, progress):
+                values = namespace["experiment"](self.model)
         except DeltaError as e:  # the program's mistake, found as it ran: point at its line
             raise self._locate(e, name, e) from None
         return self.results_of(values)
@@ -148,6 +154,44 @@ class Experiment:
         if span is not None and err.span is None:
             err.span = span
         return err.located(self.source, self.filename)
+
+
+class StepProgress(ProgressDisplay):
+    """A program with a generate: its forwards counted as the model makes them (a trace's one, a generate's one per
+    new token) on `html.progress_bar`'s line, by a forward hook on the model's module, removed on exit."""
+
+    def __init__(self, model: DeltaModel, plan: Plan, console: Any) -> None:
+        self.handle: Any = None
+        gens = [p.runs[0] for p in plan.passes if p.kind == "generate"]
+        module = getattr(model, "_module", None)
+        if not gens or not hasattr(module, "register_forward_hook"):
+            return
+        self.done, self.total = 0, sum(r.max_new_tokens or 1 for r in gens) + sum(p.kind != "generate"
+                                                                                 for p in plan.passes)
+        self.what = "generate " + ", ".join(r.name for r in gens)
+        if console is True:
+            from rich.console import Console
+
+            console = Console(stderr=True)
+        self.bar, self.task = progress_bar(console, self.total, "steps", self.what)
+        self.module = module
+
+    def step(self, *_: Any) -> None:
+        self.done += 1
+        self.bar.update(self.task, advance=1)
+
+    def __enter__(self) -> StepProgress:
+        super().__enter__()
+        if self.bar is not None:
+            self.handle = self.module.register_forward_hook(self.step)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+        super().__exit__(*exc)
+        if self.handle is not None and isinstance(exc[1], KeyboardInterrupt):  # Ctrl-C: how far it got, one line
+            raise KeyboardInterrupt(f"at step {self.done} of {self.total} ({self.what})") from None
 
 
 def _model_arg(model: DeltaModel) -> str | None:

@@ -5,7 +5,7 @@ no external file; images as `data:` PNG URIs), every text escaped, the same in J
 Jupyter, VS Code and GitHub's `.ipynb` view. `summary_table` renders a `Results.summary()` text as rows
 of (result, value), its closing note as the caption; `dataset_table` a `DatasetResults`' statistics and
 records left out; `NotebookProgress(total)` one output updated in place (no ipywidgets; IPython imported
-only when used). The `_repr_html_` of `Results`, `DatasetResults` and sweep tables call these.
+only when used); `progress_bar` the one progress line of the command line (rich) and notebooks. The `_repr_html_` of `Results`, `DatasetResults` and sweep tables call these.
 """
 
 from __future__ import annotations
@@ -189,3 +189,28 @@ class ProgressDisplay:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.__exit__(*exc)
+
+
+def progress_bar(console: Any, total: int, unit: str, description: str) -> tuple[Any, Any]:
+    """`(bar, task)`: the one progress line of the command line and notebooks (rich's `Progress` on a console's
+    stream, updated in place: done/total, rate, elapsed, left; in a notebook a `NotebookProgress`), or
+    `(None, None)` without a console or with nothing to count. `bar.update(task, advance=N)` moves it."""
+    if console is None or total <= 0:
+        return None, None
+    if console.is_jupyter:  # rich's live display needs ipywidgets there, and warns without it
+        bar = NotebookProgress(total, unit)
+        bar.description = description
+        return bar, 0
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("" if speed is None else f"{speed:.2f} {unit}/s", style="progress.data.speed")
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), TextColumn(unit),
+                   Rate(), TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
+                   console=console, transient=False)
+    return bar, bar.add_task(description, total=total)

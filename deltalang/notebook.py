@@ -175,7 +175,9 @@ def _run(args: argparse.Namespace, cell: str, namespace: dict[str, Any]) -> Any:
     exp = Experiment.from_source(cell, model, filename=CELL, prompt=args.prompt, **load)
     if exp.has_sweeps:
         return _sweep(args, exp)
-    results = exp.run()
+    from rich.console import Console
+
+    results = exp.run(progress=Console(stderr=True, soft_wrap=True))  # a generate's steps, one line in place
     if args.out is not None:
         print(f"wrote {results.save(args.out)}/: {', '.join(results.files())}", file=sys.stderr)
     return results

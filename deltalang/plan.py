@@ -23,7 +23,7 @@ import networkx as nx
 
 from . import values
 from .ast import quote as ast_quote
-from .batches import BATCH_TOKENS, batch_stage, padding_refused  # noqa: F401 - re-exported: one forward's runs
+from .batches import BATCH_TOKENS, batch_stage, padding_refused, steps_bound  # noqa: F401 - re-exported
 from .errors import DeltaPlanError, Span
 from .ir import (FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, logits_kept,
                  op_result_name, operand_ops, with_donors)
@@ -262,14 +262,12 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
     meta: dict[str, ResolvedRun] = {r.name: r for r in runs}
     edges: list[tuple[str, str, Any]] = []
     combines: list[Combine] = []
-    implicit_why: dict[str, str] = {}
-    donated: set[tuple[str, str]] = set()  # (run, key) of the donor reads added: one look-up, not a scan of its ops
+    implicit_why, donated = dict[str, str](), set[tuple[str, str]]()  # donated: (run, key) of the hidden reads added
 
     def add_donor(run: str, layer: int | None, value: str, position: int | None, step: int | None,
                   for_run: str, why: Any) -> str:
         key = donor_key(run, layer, value, position, step)
-        if (run, key) not in donated:  # a hidden key (`~...`) is never a read's own result name
-            donated.add((run, key))
+        if _first(donated, (run, key)):  # one look-up, not a scan of the run's ops; `~...` is never a read's own name
             ops[run].append(PlanOp("read", layer, value, position, step, key, text=f"for {for_run}",
                                    span=_span(why)))
         edges.append((run, for_run, why))
@@ -321,8 +319,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
             ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, donor_key=dkey,
                                       source=with_donors(src, operand_keys), text=op.written, span=op.span,
                                       head=op.head))
-    measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor, donated)
-                      for run, m in measures}
+    measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor, donated) for run, m in measures}
     forced: dict[str, tuple[tuple[int, ...], int]] = {}  # run -> (its tokens, the answer's length)
     for run, m in measures:
         if m.forced:
@@ -377,18 +374,23 @@ def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, meta: dict[str, ResolvedR
     step = m.step if r.kind == "generate" else None
     if m.kind in ("norm", "project"):
         key = measure_input_key(r.name, m)
-        if (r.name, key) not in donated:
-            donated.add((r.name, key))
+        if _first(donated, (r.name, key)):
             ops[r.name].append(PlanOp("read", m.layer, m.value or "", m.position, step, key, text=m.written,
                                       span=m.span, reduce=m.reduce))
         return (key,)
     key = donor_key(r.name, None, "logits", None, step)
-    if (r.name, key) not in donated:
-        donated.add((r.name, key))
+    if _first(donated, (r.name, key)):
         ops[r.name].append(PlanOp("read", None, "logits", None, step, key, text=m.written, span=m.span))
     if m.kind == "kl" and m.against is not None:
         return key, add_donor(m.against, None, "logits", None, kl_step(r, m, meta[m.against]), r.name, m)
     return (key,)
+
+
+def _first(seen: set[tuple[str, str]], item: tuple[str, str]) -> bool:
+    """Whether `item` is new to `seen` (then added)."""
+    new = item not in seen
+    seen.add(item)
+    return new
 
 
 def measure_input_key(run: str, m: ResolvedMeasure) -> str:
@@ -463,23 +465,6 @@ def build_plan(resolved: Resolved, *, batch: bool = True) -> Plan:
         i = max(produced[k] for k in c.inputs)
         passes[i] = attrs.evolve(passes[i], then=passes[i].then + (c,))
     return Plan(tuple(passes), tuple(combines), tuple(measures), resolved, inputs)
-
-
-def steps_bound(resolved: Resolved) -> int | None:
-    """The generates' step count past which nothing a plan decides depends on it (None: no generate is longer).
-
-    A generate's ops and measures without `step K:` are one per step, and every error the plan finds compares a
-    step written (or every step of one generate) with another generate's count. Counts clipped to one past every
-    written step and every count but the largest keep each of those comparisons: the largest count is the only one
-    clipped, and stays above every other count and every written step.
-    """
-    gens = [r for r in resolved.runs if r.kind == "generate"]
-    counts = sorted({r.max_new_tokens or 1 for r in gens})
-    written = [x.step for r in gens for x in (*r.ops, *r.measures) if x.step is not None]
-    written += [s.step for r in resolved.runs for op in r.ops if isinstance(s := op.source, FromRun)
-                and s.step is not None]
-    bound = max([*written, *counts[:-1]], default=0) + 2
-    return bound if counts and counts[-1] > bound else None
 
 
 def checked_plan(resolved: Resolved) -> Plan:
