@@ -30,7 +30,7 @@ from .explain import format_plan
 from .ir import Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun
 from .model import DeltaModel
 from .parse import parse
-from .plan import Plan, build_plan, expand_measure_steps
+from .plan import BATCH_TOKENS, Plan, build_plan, expand_measure_steps
 from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import measure_label
 from .results import save_atomically
@@ -168,8 +168,8 @@ def shareable(resolved: Resolved) -> bool:
 
 
 def generate_groups(resolutions: list[RecordResolution], batch: bool) -> list[list[RecordResolution]]:
-    """Records whose generates' prompts have the same lengths, at most `MAX_RECORDS` a group (shortest
-    first); a record whose program cannot share (`shareable`) runs alone."""
+    """Records whose generates' prompts have the same lengths, at most `MAX_RECORDS` and `BATCH_TOKENS` prompt
+    tokens a generate (shortest first); a record whose program cannot share (`shareable`) runs alone."""
     alone: list[list[RecordResolution]] = []
     by_length: dict[tuple[int, ...], list[RecordResolution]] = {}
     for r in resolutions:
@@ -179,8 +179,10 @@ def generate_groups(resolutions: list[RecordResolution], batch: bool) -> list[li
             continue
         key = tuple(len(run.token_ids) for run in r.resolved.runs if run.kind == "generate")
         by_length.setdefault(key, []).append(r)
-    out = [rs[i:i + MAX_RECORDS] for key in sorted(by_length) for rs in [by_length[key]]
-           for i in range(0, len(rs), MAX_RECORDS)]
+    out = []
+    for key in sorted(by_length):
+        rs, size = by_length[key], max(1, min(MAX_RECORDS, BATCH_TOKENS // max(key, default=1)))
+        out.extend(rs[i:i + size] for i in range(0, len(rs), size))
     return out + alone
 
 

@@ -276,3 +276,16 @@ def test_a_sampled_generate_runs_each_record_alone_with_its_seed(setup: Any) -> 
         alone = _alone(src.replace("{\n", "{\n    read tokens\n", 1), model, records, i)
         assert [c["token_ids"] for c in out.continuations if c["record"] == i] == [alone["g.tokens"][0].tolist()]
     assert [c["token_ids"] for c in out.continuations] != [c["token_ids"] for c in greedy.continuations]
+
+
+def test_groups_hold_one_prompt_length_and_a_bounded_number_of_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deltalang import dataset_generate
+
+    spec = deltalang.load_spec(None)
+    records = [*LANDMARKS[:7], PIZZA]
+    _, recs = resolve_records(parse(PLAIN.format(n=2)), {"facts": dataset_from_python("facts", records)}, spec)
+    assert [[r.record.index for r in g] for g in dataset_generate.generate_groups(recs, True)] == \
+        [[7], list(range(7))]
+    monkeypatch.setattr(dataset_generate, "BATCH_TOKENS", 24)  # three prompts of 8 tokens a generate
+    assert [len(g) for g in dataset_generate.generate_groups(recs, True)] == [1, 3, 3, 1]
+    assert [len(g) for g in dataset_generate.generate_groups(recs, False)] == [1] * 8
