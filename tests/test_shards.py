@@ -381,3 +381,11 @@ def test_a_per_token_sweep_sharded_merges_equal(tmp_path: Path) -> None:
     assert "position" in (tmp_path / "one" / "results.csv").read_text().splitlines()[0]
     for f in FILES:
         assert (tmp_path / "two" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
+
+
+def test_a_notebook_cell_refuses_a_shard_in_one_line() -> None:
+    from deltalang.notebook import CellError, run_cell
+
+    with pytest.raises(CellError) as e:
+        run_cell("--shard 0/2", 'dataset facts = "facts.jsonl"\ntrace t on facts { measure prob(facts.answer) }\n', {})
+    assert "--shard splits a run across processes" in str(e.value) and str(e.value).count("\n") == 0
