@@ -230,3 +230,54 @@ def test_a_program_writes_every_ssm_block() -> None:
     shape = (1, *[model.spec.dims[k] for k in ("heads", "head_dim", "d_state")])
     want = _written_logits("bamba", hf, ids, {i: torch.zeros(shape) for i in _ssm(hf)}, 4)
     _close(res["w.logits"][:, 4:], want, tol=1e-3)
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_a_written_window_is_what_the_later_tokens_see(name: str) -> None:
+    """`conv_window_after(t)` written: transformers run on 0..t, its cache's window replaced, the rest continued."""
+    model, hf = _models(name)
+    ids = _ids()
+    layer, t = _ssm(hf)[0], 4
+    donor = _cache_after(hf, _ids(seed=5), 8).get_conv_state(layer)[:, :, 1:].clone()
+    with torch.no_grad(), model.trace(ids):
+        model.layers[layer].linear_attn.set_conv_window_after(t, donor)
+        got = model.logits.save()
+    cache = _cache_after(hf, ids, t)
+    cache.get_conv_state(layer)[:, :, 1:] = donor
+    want = _forward(hf, ids[:, t + 1:], cache, start=t + 1).logits
+    _close(got[:, t + 1:], want, tol=1e-3)
+    with torch.no_grad():
+        clean = _forward(hf, ids).logits
+    if name != "falcon_h1":  # as above: its tiny Mamba-2 blocks barely move its logits
+        assert float((got[:, t + 1:] - clean[:, t + 1:]).abs().max()) > 10 * float((got[:, t + 1:] - want).abs().max())
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_decode_steps_serve_the_cached_state(name: str) -> None:
+    """Under generate: a step's state_input is the cache after the prompt, its state_output the cache after the
+    prompt and the generated token; a written state_input is what that step starts from."""
+    model, hf = _models(name)
+    ids = _ids(8)
+    layer = _ssm(hf)[0]
+    shape = (1, *[model.spec.dims[k] for k in ("heads", "head_dim", "d_state")])
+    with torch.no_grad(), model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+        for step in tracer.iter[1]:
+            entering = model.layers[layer].linear_attn.state_input.save()
+            after = model.layers[layer].linear_attn.state_after(-1).save()
+            leaving = model.layers[layer].linear_attn.state_output.save()
+    logits = _forward(hf, ids).logits[:, -1].clone()
+    logits[:, hf.config.eos_token_id] = -float("inf")  # min_new_tokens: greedy without end-of-text
+    tokens = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    cache = _cache_after(hf, ids, ids.shape[1] - 1)
+    _close(entering, cache.get_recurrent_state(layer))
+    step = _forward(hf, tokens[:, ids.shape[1]:ids.shape[1] + 1], cache, start=ids.shape[1])
+    _close(leaving, compat.output_cache(step).get_recurrent_state(layer))
+    assert torch.equal(after, leaving)
+    with torch.no_grad(), model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+        for step in tracer.iter[1]:
+            model.layers[layer].linear_attn.state_input = torch.zeros(shape)
+            zeroed = model.layers[layer].linear_attn.state_output.save()
+    cache = _cache_after(hf, ids, ids.shape[1] - 1)
+    cache.get_recurrent_state(layer).zero_()
+    step = _forward(hf, tokens[:, ids.shape[1]:ids.shape[1] + 1], cache, start=ids.shape[1])
+    _close(zeroed, compat.output_cache(step).get_recurrent_state(layer))
