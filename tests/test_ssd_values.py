@@ -281,3 +281,30 @@ def test_decode_steps_serve_the_cached_state(name: str) -> None:
     cache.get_recurrent_state(layer).zero_()
     step = _forward(hf, tokens[:, ids.shape[1]:ids.shape[1] + 1], cache, start=ids.shape[1])
     _close(zeroed, compat.output_cache(step).get_recurrent_state(layer))
+
+
+@pytest.mark.parametrize("name", ("bamba", "granitemoehybrid"))
+def test_left_padded_invokes_are_each_their_own_prompt(name: str) -> None:
+    """Two prompts of different lengths in one trace (the shorter left-padded): each invoke's reads are its own
+    prompt's cache, and a write in one invoke is that prompt's write alone."""
+    model, hf = _models(name)
+    layer = _ssm(hf)[-1]
+    long, short = "The Eiffel Tower is in", "A cat sat"
+    shape = (1, *[model.spec.dims[k] for k in ("heads", "head_dim", "d_state")])
+    with torch.no_grad(), model.trace() as tr:
+        with tr.invoke(long):
+            got_long = model.layers[layer].linear_attn.state_after(-1).save()
+            logits_long = model.logits.save()
+        with tr.invoke(short):
+            got_mid = model.layers[layer].linear_attn.state_after(2).save()
+            model.layers[layer].linear_attn.set_state_after(4, torch.zeros(shape))
+            logits_short = model.logits.save()
+    ids_long = model.tokenizer(long, return_tensors="pt")["input_ids"]
+    ids_short = model.tokenizer(short, return_tensors="pt")["input_ids"]
+    _close(got_long, _cache_after(hf, ids_long, ids_long.shape[1] - 1).get_recurrent_state(layer))
+    _close(got_mid, _cache_after(hf, ids_short, 2).get_recurrent_state(layer))
+    _close(logits_long, _forward(hf, ids_long).logits, tol=1e-3)
+    want = _written_logits(name, hf, ids_short, {layer: torch.zeros(shape)}, 4)
+    pad = logits_short.shape[1] - ids_short.shape[1]  # the short prompt's row is left-padded
+    assert pad > 0
+    _close(logits_short[:, pad + 4:], want, tol=1e-3)
