@@ -5,20 +5,12 @@
     X = col.stack("s")                        # [records, blocks, heads, key_dim, value_dim], if it fits in memory
     col.to_pandas()                           # the index: record, line, the fields, shard, row, tokens
 
-Contract: `load_results(DIR)` gives back what any run saved there, by the files it finds: a
-collection (`collection.json`, its manifest) as a `Collection`; a one-prompt run (`results.json`
-and `results.safetensors`) as `results.Results` (its measures and tensors); a run, sweep or
-attribution over a dataset (`results.csv`), a sweep (`sweep.csv`) or an attribution
-(`attribution.csv`) as a `SavedTable` whose `to_pandas()` is the CSV as written (long format, its
-columns). A directory holding an unfinished run (no manifest, or `progress.json` not complete) or
-nothing of deltalang's is a DeltaError naming what is missing.
-
-A `Collection` reads shards lazily (safetensors slices, one record's row at a time): `col[n]` is the
-n-th record collected, in record order, `(record, {label: tensor})`; `dataset(name)` a
-`torch.utils.data.Dataset` of `(record, tensor)`; `stack(name)` one tensor, refused (with the
-figures) for values whose shapes differ per record or that would take more than half of the
-available memory. A `name` is a label (`s.L0`) or an `as` name standing for its blocks (`s`: each
-record's values stacked in block order, axis 1 of `stack`).
+`load_results(DIR)` gives back what any run saved, by the files it finds: a `Collection` (`collection.json`),
+`results.Results` (a one-prompt run), or a `SavedTable` (`results.csv`, `sweep.csv`, `attribution.csv`;
+`to_pandas()` is the CSV as written); an unfinished run or a foreign directory is a DeltaError naming
+what is missing. A `Collection` reads shards lazily: `col[n]` is `(record, {label: tensor})`,
+`dataset(name)` a torch Dataset, `stack(name)` one tensor (refused, with the figures, for ragged values or
+more than half the available memory); a name is a label (`s.L0`) or an `as` name for its blocks.
 """
 
 from __future__ import annotations
