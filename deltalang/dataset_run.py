@@ -4,23 +4,12 @@
     out = run_dataset(source, model, data={"facts": records})        # list of dicts or a pandas DataFrame
     out.rows, out.stats, out.skipped; print(out.summary()); out.save("out/")
 
-Each record's program is the plain one-prompt program `deltalang.resolve.dataset.expand`
-writes for it, compiled and run as any program is, so a record's result is exactly that
-program's result. Records share forwards (their programs merged into one, each run renamed
-`NAME#k`; sorted by length, at most `MAX_GROUP` records and `plan.BATCH_TOKENS` padded tokens
-a forward); the planner left-pads the shorter runs, which changes no value.
-
-Records whose program does not resolve (a field's text not in the prompt, an answer the
-tokenizer does not know) are left out and reported by their data-file line, with the count; with
-`strict=True` the first of them is the error instead, before anything runs. Everything
-that is the program's or the data's error (see `deltalang.datasets` and
-`resolve_records`) is a DeltaError before anything runs; nothing is written then.
-
-Results (`DatasetResults`): `rows` in long format (`record`, `line`, the record's fields,
-`measure`, `value`), and per measure (named as the template writes it:
-`t.logit_diff(facts.answer, facts.foil)`) its mean, sample standard deviation, n and a
-95% confidence interval of the mean (Student's t). `save(DIR)` writes `results.csv`,
-`summary.csv`, `summary.json` and `program.dl`.
+A record's result is exactly its plain one-prompt program's (`resolve.dataset.expand`); records share
+forwards (programs merged, runs renamed `NAME#k`, sorted by length, at most `MAX_GROUP` records and
+`plan.BATCH_TOKENS` padded tokens a forward). Records that do not resolve are left out and reported by
+data-file line (`strict=True`: the first is the error); the program's or data's errors are DeltaErrors
+before anything runs. `DatasetResults`: long-format `rows` and per measure mean, sample std, n and 95% CI
+(Student's t, `stats_of`); `save(DIR)` writes results.csv, summary.csv/json and program.dl.
 """
 
 from __future__ import annotations
