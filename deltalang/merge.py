@@ -3,16 +3,11 @@
     deltalang.merge.merge("out/")           # out/shard-K-of-N/ parts -> out/results.csv, summary.*, ...
     deltalang.load_results("out/")          # the same, merged first where out/ holds parts
 
-Contract. `merge(DIR)` reads `DIR/shards.json` (`deltalang.shards`) and every part's `done.json`; a part
-of another program, dataset, model, kind or N, or a shard not complete, is one DeltaError naming it.
-It then writes into DIR what the unsharded run writes there, from the parts' files alone: a run's
-rows in record order and each measure's statistics recomputed over every record (`dataset_run.
-stats_of`, through the results' own `save`); a collection's index (`collect.INDEX`, each entry's shard
-a path into its part) and manifest (`collect.MANIFEST`, written last) over every part, so
-`Collection(DIR)` reads them as one collection; a dataset sweep's cells over every record
-(`sweep.dataset.cell_results`); an attribution over a dataset (refine 0) its cells over every record.
-The records left out are every part's. Merging again gives the same files; `shards.json` then says
-`merged`.
+`merge(DIR)` checks `DIR/shards.json` and every part's `done.json` (a part of another program, dataset,
+model, kind or N, or an unfinished one, is a DeltaError naming it), then writes into DIR what the
+unsharded run writes, from the parts' files alone: rows in record order with statistics over every record,
+a collection's index and manifest (written last) over every part, a dataset sweep's or attribution's cells.
+Merging again gives the same files; `shards.json` then says `merged`.
 """
 
 from __future__ import annotations
