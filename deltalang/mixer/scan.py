@@ -1,24 +1,13 @@
 """One Mamba-2 (SSD) scan call of a mixer: its values served beside it, the scan split where a write waits.
 
-The model side of `L[ssm]` values (`deltalang.ssd`, docs/mamba2.md). transformers' Mamba-2 mixers call
-`mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D=, dt_bias=, initial_states=, dt_softplus=, dt_limit=,
-return_final_states=)` on a prompt and `mamba2_selective_state_update(state, x, dt, A, B, C, D, z=, dt_bias=,
-dt_softplus=)` on a decode step (which updates `state`, the cache's, in place); the kernel dispatchers
-(`deltalang.kernels`) hand those calls here.
-
-A prompt: the scan's inputs are served first (C `output_matrices`, B `input_matrices`, x `scan_inputs`,
-`step_sizes` after bias, softplus and clamp, A `decay_rates`), then `state_input`, `states` (`ssd.per_token`
-beside the call), `state_after(t)`, `head_outputs` (the scan's y) and `state_output`. A trace that only
-reads runs the family's scan once, unchanged (its logits are those of the trace without the reads, bit for
-bit); `state_after(t)` comes from the same scan over the prefix tokens (what transformers' cache after t + 1
-tokens holds), the state after the last token from the call itself. Where a worker waits to write
-`state_after`, the scan runs up to that position, serves (and maybe replaces) the state there, re-reads
-token t's output from the written state and continues with `initial_states` from it, as `ssd.split` does.
-A written `step_sizes` is passed to the scan as the step sizes themselves (no bias, no softplus).
-
-A decode step serves `state_input` (the cached state before it), `state_after(0)` / `state_output` (after
-it; a write replaces the cache's state, `state_after(0)`'s also re-reads the token's output) and `states`.
-Every row of the batch is cut at the same positions; an invoke's worker is served its own rows.
+The kernel dispatchers hand this transformers' `mamba2_chunk_scan` (a prompt) and
+`mamba2_selective_state_update` (a decode step, updating the cache's state in place) calls. A prompt serves
+the scan's inputs (`output_matrices` C, `input_matrices` B, `scan_inputs` x, `step_sizes`, `decay_rates` A),
+then `state_input`, `states` (`ssd.per_token`), `state_after(t)`, `head_outputs` and `state_output`. A trace
+that only reads runs the scan once, unchanged; where a worker waits to write `state_after`, the scan is
+split there as `ssd.split` does (token t's output re-read from the written state). A decode step serves
+`state_input`, `state_after(0)`/`state_output` and `states`. An invoke's worker gets its own rows.
+Design: docs/mamba2.md.
 """
 
 from __future__ import annotations
