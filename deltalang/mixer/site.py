@@ -1,24 +1,12 @@
 """`MixerSite`: the model side of one recurrent mixer, tying its requests, kernel call and convolution together.
 
-A delta-rule mixer's kernel calls are served by `state.DeltaRuleCall`, a Mamba-2 mixer's scan calls by
-`scan.SSDCall` (the family's mechanism says which); both share the convolution (`conv`).
-
-A site belongs to the transformers module (one per mixer, however often the
-model is wrapped: `mixer._deltalang_site`) and knows every wrapper that bound
-it, weakly. Each call serves the wrapper whose trace is interleaving when the
-call begins; a dropped wrapper is not kept alive.
-
-Its forward hooks put the call on the stack of running mixers
-(`deltalang.kernels.enter`), where the kernel dispatchers find it. A call's exit
-hook (torch calls it even when the forward raises an `Exception`) unwinds the
-stack to where the call began, nested calls included. A `BaseException`
-(KeyboardInterrupt) skips torch's exit hooks: a traced forward is unwound by
-`kernels.unwinding()` around it (`DeltaModel.interleave`), a plain forward the
-next time the interrupted mixer runs (a mixer never runs inside its own forward).
-
-Public attributes: `module`, `family`, `layer`, `dims`, `interleaver`, `path`,
-`pads`, `seq_len`, `cache`, `running`, and `direct`: writes applied without a
-trace (the sweep engine sets it around a block's call).
+Delta-rule calls are served by `state.DeltaRuleCall`, Mamba-2 scans by `scan.SSDCall`, both sharing `conv`.
+One site per transformers mixer (`mixer._deltalang_site`), knowing every wrapper that bound it weakly; a
+call serves the wrapper whose trace is interleaving when it begins. Its forward hooks put the call on the
+stack of running mixers (`kernels.enter`) and unwind it on exit, even when the forward raises (after a
+KeyboardInterrupt: `kernels.unwinding()`, or the mixer's next run). Public attributes: `module`, `family`,
+`layer`, `dims`, `interleaver`, `path`, `pads`, `seq_len`, `cache`, `running`, and `direct` (writes
+applied without a trace, by the sweep engine).
 """
 
 from __future__ import annotations
