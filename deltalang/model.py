@@ -1,23 +1,11 @@
 """Loading a hybrid checkpoint as an nnsight model that serves the DeltaNet values.
 
-`load_model()` opens the bundled model; `load_model(path_or_id)` any checkpoint
-of a family deltalang recognises (`deltalang.families`). The result is an nnsight `LanguageModel` with:
-
-- `.layers[i].linear_attn`: every family's DeltaNet mixer under one name
-  (Kimi-Linear's lives at `self_attn` and is aliased), serving the values of
-  DESIGN section 1 (`deltalang.mixer.DeltaNetEnvoy`);
-- `.logits`, `.next_token_probs` inside a trace;
-- `.family`, `.spec`, `.support()` / `.support(layer=i)`.
-
-A transformers model may be wrapped any number of times (`wrap_model` again,
-as a re-run notebook cell does; `load_model` of one checkpoint twice; several
-families side by side): every wrapper works, in any order (see
-`deltalang.mixer`). The kernel dispatchers (`deltalang.kernels.install`) are
-put in place once per family and process.
-
-`decoder(hf)` / `decoder_layers(hf)` find the decoder stack and its blocks of a
-transformers model (or of its envoy), wherever the architecture keeps them: the
-one place that knows it.
+`load_model()` opens the bundled model, `load_model(path_or_id)` any checkpoint of a recognised family
+(`families`); `wrap_model(hf)` wraps a loaded one. The result is an nnsight `LanguageModel` with
+`.layers[i].linear_attn` (every family's mixer under one name, its values from `mixer.DeltaNetEnvoy`),
+`.logits` and `.next_token_probs` inside a trace, `.family`, `.spec`, `.support()`. A model may be wrapped
+any number of times and every wrapper works; the kernel dispatchers are installed once per family and
+process. `decoder(hf)` / `decoder_layers(hf)` are the one place that finds the decoder stack and its blocks.
 """
 
 from __future__ import annotations
