@@ -2,23 +2,14 @@
 
     shard = shard_of("1/4") or from_env()        # --shard 1/4; torchrun / accelerate launch: RANK/WORLD_SIZE
     resolutions, part = select(ds, resolutions, shard, out, source, "run", model_id)
-    ...                                           # the run, written into `part` as an unsharded run writes DIR
     finish(part, shard)                           # DIR/shard-1-of-4/done.json: the shard is complete
 
-Contract. `split(tokens, n)` gives each record its shard: records in record order, each to the shard
-with the fewest tokens so far (the lowest number on a tie), so every shard gets within one record's
-tokens of every other; it depends only on the records' token counts and N, so a shard can be rerun
-alone. A record's tokens are those of its program's runs (`record_tokens`: fixed by the dataset, the
-program and the tokenizer, all pinned by the manifest); a record that does not resolve counts 1.
-
-Shard K of N of a run with `--out DIR` writes only `DIR/shard-K-of-N/` (what an unsharded run writes in
-DIR: rows, collection shards, progress for `--resume`) and, when the run is complete, its own
-`done.json` there (removed when the shard starts, so a killed shard is never taken as complete).
-`DIR/shards.json`, the manifest (the kind of run, the program and its sha256, the model, the
-dataset's sha256, name, origin and record lines, N), is created by whichever shard starts first
-(`os.link` of a file of its own: never two writers) and checked by every other: a shard of another
-program, dataset, model or N is refused before it runs. `deltalang.merge` reads the markers. Problems
-are DeltaErrors, each one line.
+`split(tokens, n)` gives each record, in order, to the shard with the fewest tokens so far (a tie: the
+lowest number): deterministic from the records' token counts (`record_tokens`) and N, so a shard can be
+rerun alone. Shard K writes only `DIR/shard-K-of-N/` (what an unsharded run writes in DIR) and, once
+complete, its `done.json`. `DIR/shards.json` (the run's kind, program, model, dataset and N) is created by
+the first shard (`os.link`: one writer) and checked by the others; a mismatch is refused before it runs.
+`merge` reads the marks. Problems are one-line DeltaErrors. The how-to: docs/shards.md.
 """
 
 from __future__ import annotations
