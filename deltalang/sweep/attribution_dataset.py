@@ -1,30 +1,13 @@
 """Attribution over a dataset: each record's one-prompt estimates, a mean per cell, the top cells exact on every record.
 
-    dataset facts = "facts.jsonl"
-    sweep s on facts over L in L[linear], t in facts.subject, -1 method attribution steps 2 refine 3 {
-        write L.state_after(t) from facts.corrupt
-        measure logit_diff(facts.answer, facts.foil)
-    }
-
-Contract. `attribute_records` (called by `sweep.dataset.run_dataset_sweep`, which resolves each
-record's plain one-prompt program and says how the template labels its cells) runs
-`attribution.attribute` on each record's own program with refine 0, so a record's estimate in a
-cell is exactly what that program alone estimates. Every record gets the same variants: `steps`
-given is checked on every record before anything runs (a donor of another length than its record's
-prompt is one DeltaError naming the record, as the one-prompt code refuses it); `steps` not given
-is the one-prompt default where every record has a path, else 0 for all (`plain` only; `note` says
-which record has none). A cell is named by its labels as written (`L4`, `facts.subject`, `-1`);
-per variant its value is the mean over the records (with sample std, n and 95% CI), and a token
-that several labels name in a record counts for each. `refine K`: the K cells of largest |mean
-default estimate| (first measure) run exactly on every record through the sweep engine
-(`attribution.refine_cells`: the record's sweep narrowed to its tokens of those cells), each
-record's M(patched) - M(clean) kept and their mean shown beside the estimates.
-
-Results (`DatasetAttribution`): `rows` in long format (record, line, the record's fields, sweep, the
-cell's labels, measure, variant: `plain`, `blk2`, ... or `exact`, value), `cells` (the statistics),
-`values()`, `grid()`, `refined()`, `table()`, `summary()`, and `save(DIR)`: results.csv,
-summary.csv, summary.json, program.dl and a heatmap of the mean default estimate per measure. No model weights
-or grads change (see `attribution`).
+`attribute_records` (called by `sweep.dataset.run_dataset_sweep`, which resolves each record's program and
+says how the template labels its cells) runs `attribution.attribute` on each record's own program with
+refine 0, so a record's estimate is what that program alone estimates. Every record gets the same variants
+(`steps` checked on every record first; not given, the one-prompt default where every record has a path,
+else `plain`). A cell is named by its labels as written; per variant its value is the mean over records
+(std, n, 95% CI). `refine K` runs the K cells of largest |mean default estimate| exactly on every record.
+`DatasetAttribution`: long-format `rows`, `cells`, `values()`, `grid()`, `refined()`, `table()`, `summary()`,
+`save(DIR)` (results.csv, summary.csv/json, program.dl, a heatmap). No weights or grads change.
 """
 
 from __future__ import annotations
