@@ -1,39 +1,15 @@
 """Sweeps over a dataset: one sweep per record through the engine, every record's value kept, a mean per cell.
 
-    dataset facts = "data/landmarks.jsonl"
-    sweep trace on facts.corrupt over L in L[linear], t in facts.subject[0], facts.subject, facts.subject + 1, -1 {
-        write L.state_after(t) from facts
-        measure logit_diff(facts.answer, facts.foil)
-    }
-
     out = run_dataset_sweep(source, model, filename="causal.dl", normalise="clean=facts,corrupted=facts.corrupt")
     out.rows, out.stats, out.grid("trace", 'normalised(logit_diff(facts.answer, facts.foil))'); out.save("out/")
 
-Contract: each record's program is the plain one-prompt program
-`deltalang.resolve.dataset.expand` writes for it (positions from fields become
-that record's token numbers, each token once), run by the sweep engine
-(`run_sweeps`) exactly as that program alone would run, so a record's value in a
-cell is that program's value. A cell is named by its labels as written, the same
-for every record (`L3`, `facts.subject`, `-1`): a record's cell at a token several
-labels name (a one-token subject is its own first and last token) counts for each.
-`--normalise clean=RUN,corrupted=RUN` (a run, a prompt, or the dataset `facts`
-and a field's text `facts.corrupt`) normalises each record's effect against that
-record's own clean and corrupted runs, then the records are averaged. The other
-traces of the program give a row per record and measure (their cell labels empty).
-
-Results (`DatasetSweepResults`): `rows` in long format (record, line, the record's
-fields, sweep, one column per sweep variable, measure, value) and per cell and
-measure the mean, sample std, n and 95% CI (`deltalang.dataset_run.stats_of`).
-`save(DIR)` writes results.csv, summary.csv, summary.json, program.dl and a heatmap
-of the mean per two-axis sweep and measure. With `out`, every record's rows are
-saved as it finishes (`deltalang.dataset_store`) and `resume` continues without
-rerunning the records done. Records that do not resolve are left out, with their
-data-file line (or, `strict`, the first is the error). A per-token measure (`norm(L.states)`, a reduction
-keeping positions) gives a row per token with its `position` named from the record's own fields (`align=`:
-`facts.subject` gives `facts.subject - 1`, `facts.subject + 2`; by default from each record's end: `-1`, `-2`)
-and `token` (the record's own number), and statistics per cell and aligned position (`sweep.aligned`).
-A sweep by attribution (`method attribution`, or `method="attribution"`) is estimated record by
-record and averaged per cell by `sweep.attribution_dataset` (its `--resume` and `--normalise` refused).
+A record's value in a cell is its plain one-prompt program's (`resolve.dataset.expand`), run by the engine.
+A cell is named by its labels as written (`L3`, `facts.subject`, `-1`), the same for every record; a token
+several labels name counts for each. `normalise` divides each record's effect by its own clean and
+corrupted runs before averaging. `DatasetSweepResults`: long-format `rows`, per cell and measure mean, std,
+n, 95% CI; `save(DIR)` writes results.csv, summary.csv/json, program.dl, heatmaps; `out`/`resume` save and
+continue record by record. A per-token measure gives a row per token, aligned by `align=` (`sweep.aligned`).
+`method attribution` goes to `sweep.attribution_dataset`.
 """
 
 from __future__ import annotations
