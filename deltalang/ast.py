@@ -164,7 +164,7 @@ class Reduce:
     kind: str  # "norm" | "mean" | "head" | "project"
     axes: tuple[str, ...] = ()  # norm, mean: the axes as written
     index: int | None = None  # head
-    direction: Union["LoadSource", None] = None  # project
+    direction: Union["LoadSource", "Expr", None] = None  # project: a file, or arithmetic over means
     span: Span = _span()
 
 
@@ -244,6 +244,11 @@ Atom = Union[FromSource, ZerosSource, NamedSource, MeanSource, LoadSource, Numbe
 Expr = Union[Atom, BinOp]
 
 
+def expr_operands(e: Expr) -> list[Atom]:
+    """The operands of an expression, left to right."""
+    return expr_operands(e.left) + expr_operands(e.right) if isinstance(e, BinOp) else [e]
+
+
 @attrs.frozen
 class ExprSource:
     """`= EXPR` (arithmetic over sources) or `+= EXPR` (added to the value the forward computed)."""
@@ -310,10 +315,11 @@ class Norm:
 
 @attrs.frozen
 class Project:
-    """`project(SITE, load(FILE))`: the value's dot product with a direction (per token, for a per-token value)."""
+    """`project(SITE, load(FILE))` or `project(SITE, mean(a) - mean(b))`: the value's dot product with a
+    direction (per token, for a per-token value)."""
 
     site: Site
-    direction: "LoadSource"
+    direction: Union["LoadSource", "Expr"]
     span: Span = _span()
 
 

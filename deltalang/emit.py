@@ -15,7 +15,8 @@ import attrs
 
 from . import measures
 from .errors import Span
-from .ir import HEAD_AXIS, Arith, Const, Donor, FromRun, Load, Mean, Named, Scale, Steer, Zeros, expr_atoms
+from .ir import (HEAD_AXIS, Arith, Const, Donor, FromRun, Load, Mean, MeanDirection, Named, Scale, Steer, Zeros,
+                 expr_atoms)
 from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan
 from .version import __version__
 
@@ -94,9 +95,26 @@ def read_expr(op: PlanOp, tracer: str = "tracer", tail: int | None = None) -> st
 
 def reduction_expr(red: Any) -> str:
     """`measures.Reduction(AXES, [("norm", ("key_dim",))])`: an `ir.Reduce` as the code that runs it."""
-    steps = ", ".join(f"({k!r}, loaded[{loaded_key(a)!r}])" if k == "project" else f"({k!r}, {a!r})"
+    steps = ", ".join(f"({k!r}, {direction_expr(a)})" if k == "project" else f"({k!r}, {a!r})"
                       for k, a in red.steps)
     return f"measures.Reduction({red.axes!r}, [{steps}])"
+
+
+def direction_expr(d: Any) -> str:
+    """A projection's direction: a loaded tensor, or arithmetic over means computed in earlier passes
+    (`results[...] - results[...]`, one head's slice after `.head(h)`)."""
+    if isinstance(d, Load):
+        return f"loaded[{loaded_key(d)!r}]"
+    assert isinstance(d, MeanDirection), d
+
+    def expr(e: Any, outer: int = 0, right: bool = False) -> str:
+        if isinstance(e, Arith):
+            prec = 2 if e.op == "*" else 1
+            text = f"{expr(e.left, prec)} {e.op} {expr(e.right, prec, True)}"
+            return f"({text})" if prec < outer or (right and prec == outer) else text
+        return repr(e.value) if isinstance(e, Const) else f"results[{e.key!r}]"
+
+    return f"({expr(d.expr)})" + ("" if d.head is None else head_index(*d.head))
 
 
 def write_stmt(op: PlanOp, value: str, tail: int | None = None) -> str:

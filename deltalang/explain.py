@@ -160,8 +160,8 @@ def site(op: PlanOp) -> str:
 
 
 def _reduce_arg(kind: str, arg: object) -> str:
-    if kind == "project":
-        return f"load({getattr(arg, 'shown', '')!r})"
+    if kind == "project":  # a file, or means (`mean(a) - mean(b)`)
+        return f"load({getattr(arg, 'shown', '')!r})" if hasattr(arg, "path") else getattr(arg, "shown", "")
     return "" if arg is None else ", ".join(arg)  # type: ignore[call-overload]
 
 

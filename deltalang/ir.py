@@ -84,6 +84,15 @@ class Load:
 
 
 @attrs.frozen
+class MeanDirection:
+    """A projection's direction `mean(a) - mean(b)` (`shown`): `Arith`/`Const` over `Mean`s (planned: `Donor`s)."""
+
+    expr: Any
+    shown: str
+    head: tuple[str, int] | None = None  # after `.head(h)`: (the site's value, h), that head of each mean
+
+
+@attrs.frozen
 class Const:
     """A number in a source's arithmetic."""
 
@@ -186,7 +195,7 @@ class Reduce:
     """A reduction of a read or measured value, computed inside the forward (`measures.Reduction` runs it)."""
 
     axes: tuple[str, ...]  # the value's axes as served, `b` first (`values.axes`)
-    steps: tuple[tuple[str, Any], ...]  # ("head", 2), ("norm", axes | None), ("mean", axes), ("project", Load)
+    steps: tuple[tuple[str, Any], ...]  # ("head", 2), ("norm", axes|None), ("mean", axes), ("project", direction)
     text: str  # what follows the site in a read's result name: `.norm(key_dim, value_dim)`
     shape: tuple[tuple[str, int | None], ...]  # the result's axes and sizes (None: a size that varies)
 
@@ -195,7 +204,7 @@ class Reduce:
         return "[" + ", ".join(a if n is None else f"{a}={n}" for a, n in self.shape) + "]"
 
     def loads(self) -> list["Load"]:
-        return [a for k, a in self.steps if k == "project"]
+        return [a for k, a in self.steps if k == "project" and isinstance(a, Load)]
 
 
 # the values with a value-head axis, and which axis it is (`.head(h)` slices it)

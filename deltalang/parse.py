@@ -830,17 +830,35 @@ class _Builder:
         return tuple(out)
 
     def project_call(self, arglist: list[Any], sp: Span) -> ast.Project:
-        """`project(SITE, load("direction.safetensors"))`."""
-        if len(arglist) != 2 or not all(isinstance(a, _LarkTree) and a.data == "path" for a in arglist):
+        """`project(SITE, load("direction.safetensors"))` or `project(SITE, mean(a) - mean(b))`."""
+        if len(arglist) != 2 or not all(isinstance(a, _LarkTree) and a.data in ("path", "arg_binop") for a in arglist) \
+                or arglist[0].data != "path":
             self.fail('project takes a site and a direction: project(L4.state_output, load("dir.safetensors"))', sp)
         return ast.Project(self.site(arglist[0]), self.direction(arglist[1]), span=sp)
 
-    def direction(self, path: Node) -> ast.LoadSource:
+    def direction(self, path: Node) -> ast.LoadSource | ast.Expr:
+        """A projection's direction: `load(FILE)`, or means of the projected site and arithmetic over them
+        (`mean(a) - mean(b)`, `2 * mean(a)`)."""
+        usage = ('a direction is a tensor from a file, load("direction.safetensors") or load("file.safetensors", '
+                 '"key"), or a difference of means of the site over prompts: mean(happy) - mean(sad)')
+        if path.data == "arg_binop":
+            left, op, right = path.children
+            return ast.BinOp(str(op.value), self.direction_operand(left, usage),
+                             self.direction_operand(right, usage), span=self.span(path))
         segs = path.children
+        if len(segs) == 1 and segs[0].data == "call_seg" and str(segs[0].children[0]) == "mean":
+            return self.direction_operand(path, usage)
         if len(segs) != 1 or segs[0].data != "call_seg" or str(segs[0].children[0]) != "load":
-            self.fail('a direction is a tensor from a file: load("direction.safetensors") or '
-                      'load("file.safetensors", "key")', self.span(path))
+            self.fail(usage, self.span(path))
         return self.load(segs[0], self.span(path))
+
+    def direction_operand(self, node: Node, usage: str) -> ast.Expr:
+        """An operand of a direction's arithmetic: mean(PROMPTS), a number, or arithmetic over them."""
+        e = self.expr(node if node.data != "arg_binop" else _LarkTree("binop", node.children, node.meta))
+        for a in ast.expr_operands(e):
+            if not isinstance(a, (ast.MeanSource, ast.Number)):
+                self.fail(usage, a.span)
+        return e
 
     def reduction(self, seg: Node) -> ast.Reduce:
         """`.norm(AXES)`, `.mean(AXES)`, `.head(K)` (after another reduction), `.project(load(FILE))`."""
@@ -848,8 +866,10 @@ class _Builder:
         kind, sp = str(fn), self.span(seg)
         arglist = [] if args is None else list(args.children)
         if kind == "project":
-            if len(arglist) != 1 or not isinstance(arglist[0], _LarkTree) or arglist[0].data != "path":
-                self.fail('project takes a direction: .project(load("direction.safetensors"))', sp)
+            if len(arglist) != 1 or not isinstance(arglist[0], _LarkTree) or arglist[0].data not in ("path",
+                                                                                                    "arg_binop"):
+                self.fail('project takes a direction: .project(load("direction.safetensors")) or '
+                          '.project(mean(happy) - mean(sad))', sp)
             return ast.Reduce("project", direction=self.direction(arglist[0]), span=sp)
         if kind == "head":
             head = self.head_index(seg)

@@ -15,6 +15,7 @@ reaches them (step, block, `values.CATALOGUE` order, position, a write before a 
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Iterable
 
@@ -25,6 +26,7 @@ from . import values
 from .ast import quote as ast_quote
 from .batches import BATCH_TOKENS, batch_stage, padding_refused, steps_bound  # noqa: F401 - re-exported
 from .errors import DeltaPlanError, Span
+from .directions import mean_runs, plan_directions
 from .ir import (FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, logits_kept,
                  op_result_name, operand_ops, with_donors)
 
@@ -273,7 +275,19 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
         edges.append((run, for_run, why))
         return key
 
-    mean_runs = 0
+    counter = itertools.count()  # the means' runs, numbered
+    def add_mean(src: Mean, layer: Any, value: str, position: Any, for_run: str, why: Any, tag: str = "") -> str:
+        """One clean run per text of `src` reading the site there, and the mean of their reads: its key."""
+        inputs = []
+        for run, pos in mean_runs(resolved, src, counter):
+            meta[run.name], ops[run.name] = run, []
+            implicit_why[run.name] = f"mean({', '.join(src.prompts)}) for {for_run}"
+            inputs.append(add_donor(run.name, layer, value, pos, None, for_run, why))
+        key = f"{HIDDEN}mean({','.join(src.prompts)}).L{layer}.{value}" + (
+            f"({position})" if position is not None else "") + tag + f".{for_run}"
+        combines.append(Combine(key, tuple(inputs)))
+        return key
+
     for r in runs:
         operand_keys: list[str | None] = []  # a write's arithmetic: its operands' keys, found before it
         for op in operand_ops(expanded[r.name]):
@@ -299,20 +313,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
                 dkey = target
                 edges.append((read_keys[target], r.name, op))
             elif isinstance(src, Mean):
-                inputs = []
-                for i, text in enumerate(src.texts):
-                    name = f"mean({','.join(src.prompts)})[{i}]#{mean_runs}"
-                    mean_runs += 1
-                    pos = src.positions[i] if src.positions is not None else None
-                    meta[name] = ResolvedRun(name=name, kind="trace", prompt=name, prompt_text=text,
-                                             token_ids=tuple(resolved.spec.token_ids(text)), tokens=(),
-                                             implicit=True)
-                    ops[name] = []
-                    implicit_why[name] = f"mean({', '.join(src.prompts)}) for {r.name}"
-                    inputs.append(add_donor(name, op.layer, op.value, pos, None, r.name, op))
-                dkey = f"{HIDDEN}mean({','.join(src.prompts)}).L{op.layer}.{op.value}" + (
-                    f"({op.position})" if op.position is not None else "") + f".{r.name}"
-                combines.append(Combine(dkey, tuple(inputs)))
+                dkey = add_mean(src, op.layer, op.value, op.position, r.name, op)
             if op.kind == "operand":  # one operand of the write after it: its key (None: no value from elsewhere)
                 operand_keys.append(dkey)
                 continue
@@ -324,6 +325,7 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
     for run, m in measures:
         if m.forced:
             measure_inputs[m.result_name] = _forced_reads(meta, ops, edges, forced, implicit_why, meta[run], m)
+    plan_directions(ops, add_mean)
     plans, kept = {}, logits_kept(measures, {name: len(r.token_ids) for name, r in meta.items()})
     for name, r in meta.items():
         plans[name] = RunPlan(name=r.name, kind=r.kind, prompt=r.prompt, prompt_text=r.prompt_text,

@@ -220,3 +220,69 @@ def test_head_norms_without_the_states_equal_the_states_norms(family: str) -> No
     sq = deltarule.per_token_sq_norms(fam, q, k, v, g, beta, init, True)
     want = every.double().square().sum(dim=(-2, -1))
     assert float(((sq.double() - want).abs() / want).max()) < 1e-5
+
+
+HAPPY = ("I am so glad to see you again today", "What a joy it is to be here")
+SAD = "It was a gloomy and cold night"
+
+
+def _cache_states(model: Any, hf: Any, text: str, layer: int, positions: tuple[int, ...]) -> torch.Tensor:
+    """transformers' cache after each prefix ending at `positions` (from the end when negative), stacked."""
+    ids = model.tokenizer(text, return_tensors="pt").input_ids
+    out = []
+    with torch.no_grad():
+        for p in positions:
+            stop = p + 1 if p >= 0 else ids.shape[1] + p + 1
+            out.append(hf(ids[:, :stop], use_cache=True).past_key_values.get_recurrent_state(layer).float())
+    return torch.cat(out)
+
+
+def _mean_of(model: Any, hf: Any, texts: tuple[str, ...], layer: int, position: int) -> torch.Tensor:
+    """The mean over prompts of the state after token `position` of each (by a write's mean rules: -1 is each
+    prompt's own last token, a number >= 0 the same number), from transformers' caches."""
+    return torch.cat([_cache_states(model, hf, t, layer, (position,)) for t in texts]).mean(dim=0)
+
+
+def test_projection_onto_a_difference_of_means_equals_transformers_by_hand(truth: Any) -> None:
+    """`project(SITE, mean(a) - mean(b))` and `.project(...)`: the site's value from transformers' cache, dotted
+    by hand with (the mean of the prompts' values in their own caches) minus the other mean."""
+    model, hf, _, states = truth
+    i = model.spec.linear_layers()[-1]
+    body = (f"measure project(L{i}.state_after(-1), mean(happy) - mean(sad)) as last\n"
+            f"read L{i}.state_after(5).head(1).project(2 * (mean(happy) - mean(sad))) as head\n"
+            f"read L{i}.state_output.project(mean(sad) - mean(happy)) as out")
+    prog = (f'prompt p = "{PROMPT}"\nprompts happy = ["{HAPPY[0]}", "{HAPPY[1]}"]\nprompt sad = "{SAD}"\n'
+            f"trace t on p {{\n{body}\n}}\n")
+    r = deltalang.run(prog, model=model)
+    s = states[i]
+    d_last = _mean_of(model, hf, HAPPY, i, -1) - _mean_of(model, hf, (SAD,), i, -1)
+    d_five = _mean_of(model, hf, HAPPY, i, 5) - _mean_of(model, hf, (SAD,), i, 5)
+    assert isinstance(r["last"], float)
+    _close(torch.tensor([r["last"]]), (s[:, -1] * d_last).sum(dim=(1, 2, 3)), 1e-4)
+    _close(r["head"], (s[:, 5, 1] * 2 * d_five[1]).sum(dim=(1, 2)), 1e-4)
+    _close(r["out"], (s[:, -1] * -d_last).sum(dim=(1, 2, 3)), 1e-4)
+    code = deltalang.compile(prog, model).code  # the means are read in earlier passes, the direction from them
+    assert "('project', (results['~mean(happy)" in code, code
+
+
+def test_check_prints_a_mean_direction_shape_and_a_wrong_one_is_located(tmp_path: Path) -> None:
+    from deltalang.check import check
+    from deltalang.explain import format_resolved
+    from deltalang.spec import load_spec
+
+    spec = load_spec(tiny_checkpoint("qwen3_5"))
+    head = 'prompt main = "The Eiffel"\nprompts a = ["Good day", "Fine"]\nprompt b = "Bad night"\n'
+    text = format_resolved(check(head + "read L0.state_after(-1).project(mean(a) - mean(b)) as x\n"
+                                 "measure project(L0.state_after(2).head(0), mean(a) - mean(b))\n", spec))
+    assert "read L0.state_after(-1).project(mean(a) - mean(b)) -> position 9 ('l') as x, shape [b=1]" in text, text
+    assert "measure project(L0.state_after(2).head(0), mean(a) - mean(b)) as main.project(" in text, text
+    prog = tmp_path / "p.dl"
+    for bad, col, what in [("measure project(L0.output, mean(a) - mean(b))\n", 28, "the mean of output"),
+                           ("read L0.state_after(-1).mean(key_dim).project(mean(a) - mean(b))\n", 47,
+                            "the mean of state_after")]:
+        prog.write_text(head + bad)
+        with pytest.raises(DeltaError) as info:
+            check(prog.read_text(), spec, filename=str(prog))
+        shown = info.value.render()
+        assert shown.startswith(f"{prog}:4:{col}: error: a direction of the wrong shape: mean(a) - mean(b) is {what}"), \
+            shown

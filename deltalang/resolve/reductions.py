@@ -19,11 +19,12 @@ from typing import Any, Sequence
 import attrs
 
 from .. import ast, measures, values
-from ..ir import Load, Reduce, ResolvedMeasure, ResolvedOp, measure_result_name, site_text
+from ..ir import (HEAD_AXIS, Arith, Const, Load, MeanDirection, Reduce, ResolvedMeasure, ResolvedOp,
+                  measure_result_name, site_text)
 from ..spec import text_config
 from .scope import Ctx, Scope, Target
 from .sites import targets
-from .sources import tensor_header
+from .sources import mean, tensor_header, value_shape
 
 ALIASES = {"positions": "s", "position": "s", "key": "key_dim", "value": "value_dim", "head": "heads",
            "batch": "b"}
@@ -109,7 +110,9 @@ def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast
             scope.fail(f"no head {r.index}: this model's DeltaNet blocks have {sizes['heads']} value heads", r.span)
         if r.kind == "project":
             assert r.direction is not None
-            arg = direction(scope, r.direction, [a for a in have if a not in ("b", "s")], sizes)
+            contracted = [a for a in have if a not in ("b", "s")]
+            arg = direction(scope, r.direction, contracted, sizes) if isinstance(r.direction, ast.LoadSource) \
+                else mean_direction(scope, r.direction, t, ctx, contracted, sizes)
         steps.append((r.kind, arg))
         have = after
         if i < len(site.reduce):
@@ -139,3 +142,37 @@ def direction(scope: Scope, src: ast.LoadSource, axes: list[str], sizes: dict[st
         scope.fail(f"a direction of the wrong shape: {ast.quote(key)} in {src.path} is {list(shape)}, and the "
                    f"projection contracts {shown} ({math.prod(n or 0 for n in want)} numbers)", src.span)
     return Load(str(path.resolve()), key, src.path)
+
+
+def mean_direction(scope: Scope, expr: ast.Expr, t: Target, ctx: Ctx, axes: list[str],
+                   sizes: dict[str, int | None]) -> MeanDirection:
+    """A projection's direction from means: each `mean(PROMPTS)` is the projected site's value averaged over
+    clean runs of the prompts, at each prompt's position by the rules of a write's `= mean(...)` (one head's
+    slice after `.head(h)`); its shape must be what the projection contracts."""
+    shown = ast.format_expr(expr)
+    if ctx.kind == "sweep":
+        scope.fail(f"a direction from means ({shown}) is not computed in a sweep: read it in a trace and save it, "
+                   f"then project onto load(\"dir.safetensors\")", expr.span)
+
+    def operand(e: ast.Expr) -> object:
+        if isinstance(e, ast.BinOp):
+            return Arith(e.op, operand(e.left), operand(e.right))
+        if isinstance(e, ast.Number):
+            return Const(e.value)
+        assert isinstance(e, ast.MeanSource)
+        return mean(scope, e, t, ctx)
+
+    if not any(isinstance(a, ast.MeanSource) for a in ast.expr_operands(expr)):
+        scope.fail(f"a direction needs a mean among its operands: {shown} is a number", expr.span)
+    shape = value_shape(scope, t.value, len(ctx.toks))
+    if shape is not None and t.head is not None:
+        shape = tuple(n for i, n in enumerate(shape) if i != HEAD_AXIS.get(t.value, 2) - 1)
+    want = tuple(sizes.get(a) for a in axes)
+    if shape != want or not axes:
+        where = t.value + ("" if t.head is None else f".head({t.head})")
+        got = "?" if shape is None else str(list(shape))
+        shown_axes = "[" + ", ".join(f"{a}={sizes.get(a)}" for a in axes) + "]"
+        scope.fail(f"a direction of the wrong shape: {shown} is the mean of {where}, {got} (without the batch "
+                   f"axis), and the projection contracts {shown_axes}; a direction from means fits a site of one "
+                   f"position or head projected whole (state_after(t), state_output)", expr.span)
+    return MeanDirection(operand(expr), shown, None if t.head is None else (t.value, t.head))
