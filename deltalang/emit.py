@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from . import measures
-from .errors import Span
+from .errors import DeltaPlanError, Span
 from .ir import (HEAD_AXIS, Arith, Const, Donor, FromRun, Load, Mean, MeanDirection, Named, Scale, Steer, Zeros,
                  expr_atoms)
 from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan
@@ -188,6 +188,23 @@ def emit_loads(w: _Writer, plan: Plan) -> None:
     w.add(1, "}")
 
 
+def head_operand_expr(e: Any, op: PlanOp, part: str, outer: int = 0, right: bool = False) -> str:
+    """An operand of a write of one head: a value from elsewhere (read whole) at that head, zeros of the head's
+    shape, a number; a `load(...)` is refused (its shape is the whole value's or one head's)."""
+    if isinstance(e, Arith):
+        prec = 2 if e.op == "*" else 1
+        text = f"{head_operand_expr(e.left, op, part, prec)} {e.op} {head_operand_expr(e.right, op, part, prec, True)}"
+        return f"({text})" if prec < outer or (right and prec == outer) else text
+    if isinstance(e, Donor):
+        return f"results[{e.key!r}]" + head_index(op.value, op.head)
+    if isinstance(e, Zeros):
+        return f"torch.zeros_like({part})"
+    if isinstance(e, Load):
+        raise DeltaPlanError(f"{op.text}: load(...) in a write of one head is not supported; write the whole value "
+                             f"with a direction of its shape", op.span)
+    return operand_expr(e, op, None)
+
+
 def emit_head_write(w: _Writer, op: PlanOp, depth: int, note: str) -> None:
     """A write of one head: the whole value, that head's slice replaced, written back (the others unchanged)."""
     whole = attrs.evolve(op, head=None)
@@ -201,6 +218,9 @@ def emit_head_write(w: _Writer, op: PlanOp, depth: int, note: str) -> None:
         value = f"results[{op.donor_key!r}]" + head_index(src.value, src.head)
     elif isinstance(src, Mean):
         value = f"results[{op.donor_key!r}]" + head_index(op.value, op.head)
+    elif isinstance(src, Steer):  # arithmetic: `+= 2`, `+= mean(P)`, `= 2 * other.SITE`, each operand at that head
+        value = head_operand_expr(src.expr, op, part)
+        value = f"{part} + ({value})" if src.add else value
     else:
         raise AssertionError(f"a write of one head from {src!r}")
     w.add(depth, f"_whole = {read_expr(whole)}.clone()", op.span, note)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -219,41 +220,56 @@ def test_every_prefix_of_the_tour(cut: int, tiny_spec: Callable[[str], Any]) -> 
 from deltalang import values as _values  # noqa: E402
 from deltalang.bundled import PATH as _BUNDLED  # noqa: E402
 
-_PROMPTS = 'prompt clean = "The Eiffel Tower is in the city of"\nprompt other = "My favourite food is pizza"\n'
+_PROMPTS = ('prompt clean = "The Eiffel Tower is in the city of"\nprompt other = "My favourite food is pizza"\n'
+            'prompts many = ["The Louvre is in", "Big Ben is in the city of"]\n')
 _BLOCKS = ("L0", "L4", "L6", "L[linear]")
 _POSITIONS = ("0", "2", "-1", "-2", '"Tower"')
+_REDUCTIONS = ("", "", ".norm()", ".mean(positions)", ".head(1)", ".head(0).mean(positions).norm()")
 
 
 @st.composite
-def _site(draw: Any, writable: bool) -> str:
+def _site(draw: Any, writable: bool, blocks: tuple[str, ...] = _BLOCKS) -> str:
     names = [v.name for v in _values.CATALOGUE.values() if _values.DELTANET in v.kinds and (v.writable or not writable)]
     value = _values.CATALOGUE[draw(st.sampled_from(sorted(names)))]
     pos = f"({draw(st.sampled_from(_POSITIONS))})" if value.positional else ""
-    return f"{draw(st.sampled_from(_BLOCKS))}.{value.name}{pos}"
+    return f"{draw(st.sampled_from(blocks))}.{value.name}{pos}"
 
 
 @st.composite
-def _statement(draw: Any, kind: str) -> str:
-    what = draw(st.sampled_from(("read", "write", "scale", "measure", "measure")))
+def _statement(draw: Any, kind: str, blocks: tuple[str, ...] = _BLOCKS) -> str:
+    what = draw(st.sampled_from(("read", "read", "write", "scale", "measure", "measure")))
     if what == "read":
-        return f"read {draw(_site(False))}"
+        return f"read {draw(_site(False, blocks))}{draw(st.sampled_from(_REDUCTIONS))}" + draw(
+            st.sampled_from(("", "", " as kept")))
     if what in ("write", "scale"):
-        site = draw(_site(True))
+        site = draw(_site(True, blocks)) + draw(st.sampled_from(("", "", ".head(0)")))
         if what == "scale":
-            return f"write {site} *= {draw(st.sampled_from(('0.5', '0', '2')))}"
-        return f"write {site} {draw(st.sampled_from(('= zeros', 'from other')))}"
+            by = draw(st.sampled_from(("0.5", "0", "2")))
+            return f"write {site} {draw(st.sampled_from(('*=', '+=', '-=')))} {by}"
+        source = draw(st.sampled_from(("= zeros", "from other", "from other at 2", 'from other at "is"', "= mean(many)",
+                                       "= kept", "from other.state_output", "from base")))
+        return f"write {site} {source}"
+    at = draw(st.sampled_from(("", "", " at -2", ' at "city"')))
     return "measure " + draw(st.sampled_from((
         'prob(" Paris")', 'rank(" Paris")', 'logit_diff(" Paris", " Rome")', "top(3)", "kl(base)",
-        f"norm({draw(_site(False))})")))
+        'prob(" Paris France")', f"norm({draw(_site(False, blocks))})"))) + at
 
 
 @st.composite
-def _well_formed(draw: Any) -> str:
-    body = draw(st.lists(_statement("trace"), min_size=1, max_size=4))
-    kind = draw(st.sampled_from(("trace", "trace", "generate")))
-    head = "trace x on clean" if kind == "trace" else "generate x on clean max_new_tokens 2"
+def _well_formed(draw: Any, blocks: tuple[str, ...] = _BLOCKS) -> str:
+    body = draw(st.lists(_statement("trace", blocks), min_size=1, max_size=4))
+    kind = draw(st.sampled_from(("trace", "trace", "generate", "sweep")))
+    n = draw(st.integers(1, 3))
+    sample = draw(st.sampled_from(("", "", " temperature 1.5 top_p 0.9 seed 3")))
+    head = {"trace": "trace x on clean", "generate": f"generate x on clean max_new_tokens {n}{sample}",
+            "sweep": "sweep x on clean over L in L[linear], t in -3..-1"}[kind]
     if kind == "generate" and draw(st.booleans()):
-        body = [f"step 1: {body[0]}", *body[1:]]
+        body = [f"step {draw(st.integers(0, 3))}: {body[0]}", *body[1:]]
+    if kind == "sweep":
+        body = [draw(st.sampled_from(("write L.state_after(t) = zeros", "write L.state_after(t) from other",
+                                      "write L.conv_window_after(t) *= 0.5"))), *[b for b in body if "kept" not in b]]
+    if draw(st.booleans()):
+        body = ["route torch", *body]
     return _PROMPTS + 'trace base on clean {\n    measure prob(" Paris")\n}\n' + head + " {\n" + \
         "".join(f"    {s}\n" for s in body) + "}\n"
 
@@ -284,3 +300,42 @@ def test_well_formed_programs_run_without_an_internal_error(bundled_model: Any) 
             raise AssertionError(f"internal error {type(e).__name__}: {e}\n{text}") from e
 
     one()
+
+
+# ---- what the well-formed fuzz found, each against transformers -----------------------------------------
+
+_HEAD_WRITES = {  # arithmetic written to one head: its value from the head's own slice (x) and the donor's (d)
+    "+= 2": lambda x, d: x + 2.0,
+    "= zeros + 1": lambda x, d: torch.ones_like(x),
+    "+= other.state_after(-1)": lambda x, d: x + d,
+    "= 2 * other.state_after(-1) - zeros": lambda x, d: 2.0 * d,
+}
+
+
+@pytest.mark.parametrize("source", sorted(_HEAD_WRITES))
+def test_arithmetic_written_to_one_head_is_that_heads_value(source: str, bundled_model: Any) -> None:
+    """`write L4.state_after(-1).head(1) += ...` ended in an internal AssertionError (emit had no arithmetic for one
+    head): now the head's slice is the arithmetic over the head's slices, the other heads untouched."""
+    import deltalang
+    from reference import Reference, Write
+    from transformers import AutoModelForCausalLM
+
+    clean, other = "The Eiffel Tower is in the city of", "My favourite food is pizza"
+    text = (f'prompt clean = "{clean}"\nprompt other = "{other}"\ntrace t on clean {{\n'
+            f"    write L4.state_after(-1).head(1) {source}\n    read logits\n}}\n")
+    got = deltalang.run(text, model=bundled_model)["t.logits"]
+    ref = Reference(AutoModelForCausalLM.from_pretrained(_BUNDLED, dtype=torch.float32).eval())
+    ids = lambda s: bundled_model.tokenizer(s, return_tensors="pt").input_ids  # noqa: E731
+    donor = ref.run(ids(other)).value(4, "state_after", ids(other).shape[1] - 1)
+    fn = _HEAD_WRITES[source]
+
+    def write(x: torch.Tensor, i: int) -> torch.Tensor:
+        out = x.clone()
+        out[:, 1] = fn(x[:, 1], donor[:, 1])
+        return out
+
+    n = ids(clean).shape[1]
+    want = ref.run(ids(clean), [Write(4, "state_after", write, position=n - 1)]).value(None, "logits")
+    plain = ref.run(ids(clean)).value(None, "logits")
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), float((got - want).abs().max())
+    assert not torch.allclose(got, plain, rtol=1e-4, atol=1e-5)
