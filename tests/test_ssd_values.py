@@ -308,3 +308,15 @@ def test_left_padded_invokes_are_each_their_own_prompt(name: str) -> None:
     pad = logits_short.shape[1] - ids_short.shape[1]  # the short prompt's row is left-padded
     assert pad > 0
     _close(logits_short[:, pad + 4:], want, tol=1e-3)
+
+
+def test_a_norm_of_states_is_the_norm_of_every_cached_state() -> None:
+    """`measure norm(L0.states)` (a reduction of `states`, `mixer.reduced`) on a Mamba-2 block: each token's
+    Frobenius norm of transformers' cached state after that token."""
+    model, hf = _models("granitemoehybrid")
+    layer = _ssm(hf)[0]
+    text = f'prompt p = "The tower of"\ntrace a on p {{\n    measure norm(L{layer}.states)\n}}\n'
+    got = deltalang.run(text, model=model)[f"a.norm(L{layer}.states)"]
+    ids = model.tokenizer("The tower of", return_tensors="pt")["input_ids"]
+    want = torch.stack([_cache_after(hf, ids, t).get_recurrent_state(layer).norm() for t in range(ids.shape[1])])
+    _close(torch.as_tensor(got).flatten(), want)

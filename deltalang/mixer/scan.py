@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .. import ssd
 from ..errors import DeltaValueError
 from .reads import read_only
+from .reduced import _pending, _waiting
 from .requests import Requests
 from .rows import _invokes
 
@@ -76,6 +77,7 @@ class SSDCall(Requests):
                       return_final_states=True, **opts, **call)
 
         s = inputs[0].shape[1]
+        self._scan_reduced(inputs, initial, opts, step)
         if self.wants("states"):
             self.serve("states", ssd.per_token(*inputs, initial_states=initial, **opts)[1], step)
         if read_only(self):
@@ -142,6 +144,24 @@ class SSDCall(Requests):
             pos = end
         assert state is not None
         return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]), state
+
+    def _scan_reduced(self, inputs: list[torch.Tensor], initial: torch.Tensor | None, opts: dict, step: int) -> None:
+        """Reductions of `states` a worker waits on (`mixer.reduced`): the states computed once (`ssd.per_token`;
+        not yet a group of chunks at a time, as the delta rule's), each reduction fed them row by row."""
+        states = None
+        while True:  # a worker asks for its next reduction once the last is served
+            names = _waiting(self, step)
+            if not names:
+                return
+            if states is None:
+                states = ssd.per_token(*inputs, initial_states=initial, **opts)[1]
+            b, s = states.shape[:2]
+            pending = _pending(self)
+            for n in names:
+                stream = pending.pop(n.split(".", 1)[1]).stream(b, s, self.pads)
+                for r in range(b):
+                    stream.add(r, 0, states[r])
+                self.serve(n, stream.result(), step)
 
     # -- a decode step -------------------------------------------------------------
 
