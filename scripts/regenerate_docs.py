@@ -30,8 +30,8 @@ from typing import Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 README, LANGUAGE = ROOT / "README.md", ROOT / "docs" / "language.md"
-PAGES = (README, ROOT / "docs" / "examples.md", LANGUAGE, ROOT / "docs" / "attribution.md", ROOT / "docs" / "gpu.md",
-         ROOT / "docs" / "mamba2.md")
+# every page but docs/benchmarks.md, whose tables are measurements
+PAGES = (README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md"))
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 ERROR_LINE = re.compile(r"^\S+:\d+:\d+: error: ", re.M)
 
