@@ -181,7 +181,7 @@ def test_the_path_rule_integrates_polynomials_of_degree_2k(k: int) -> None:
 
 
 def test_the_default_points_follow_the_source(model: deltalang.DeltaModel) -> None:
-    """k = 2 for a donor's value, 4 for zeros (a longer path: the README's quality table)."""
+    """k = 2 for a donor's value, 4 for zeros (a longer path: docs/attribution.md's quality table)."""
     donor = deltalang.run_sweep(_program("write L.state_after(t) from other"), model, method="attribution")
     zeros = deltalang.run_sweep(_program("write L.state_after(t) = zeros"), model, method="attribution")
     assert (donor.default, zeros.default) == ("blk2", "blk4")

@@ -49,7 +49,7 @@ def test_tokenizer_matches_world(loaded):
     assert tokenizer.get_vocab() == world.build_tokenizer().get_vocab()
 
 
-# The figures the README states for the shipped weights (its "The bundled model" section), as printed there.
+# The figures docs/examples.md states for the shipped weights (its "The bundled model" section), as printed there.
 README_HELDOUT = {"landmark": ("1.000", 150), "person": ("0.917", 120), "food": ("1.000", 30),
                   "recall": ("1.000", 300), "overall": ("0.983", 600)}
 README_P_PARIS = "0.999997"

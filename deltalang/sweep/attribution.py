@@ -35,7 +35,7 @@ from .table import signed, warn_saturated
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
-# the default points of a path, from benchmarks/attribution.py's quality table (README): a donor's value is
+# the default points of a path, from benchmarks/attribution.py's quality table (docs/attribution.md): a donor's value is
 # a short path (k = 2 midpoints rank the cells within 0.004 of k = 4 and 8 at half and a quarter of the
 # passes); zeros move each block's output all the way to zero, a longer path, where the Gauss-Radau rule
 # with the clean end (`paths.path_rule`) at k = 4 ranks better than 8 midpoints did (Spearman 0.892 against
