@@ -76,6 +76,8 @@ def fast_path_blocker(resolved: Resolved, run: ResolvedRun) -> str | None:
     """Why the engine cannot serve this sweep (the naive path then runs it), or None."""
     if not run.ops or all(op.kind != "write" for op in run.ops):
         return "the body writes nothing"
+    if resolved.spec.family.block_kind == "ssm":  # the engine recomputes delta-rule blocks only (issue 26)
+        return "the engine does not recompute Mamba-2 blocks yet"
     writes = [op for op in run.ops if op.kind == "write"]
     for op in run.ops:
         if op.kind == "read":
