@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import DeltaError, show_warnings_on_stderr
-from .options import check_options, claim_out, refuse_ignored, refuse_shard, refuse_unused_prompt
+from .options import check_options, claim_out, refuse_ignored, refuse_over_dataset, refuse_shard, refuse_unused_prompt
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -259,8 +259,7 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     from .dataset_run import FILES, load_datasets, run_dataset
     from .parse import parse
 
-    if args.prompt is not None:
-        raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
+    refuse_over_dataset(args, source, filename)  # --prompt; --align without a sweep
     t0 = time.perf_counter()
     datasets = load_datasets(source, filename, None)  # the data's errors before a model loads
     model = model_for(source, args.model, filename, device=args.device, dtype=args.dtype,

@@ -4,8 +4,9 @@
 `--device`, `--remote`, an `--out` that cannot be written), and combinations that mean nothing (`--naive`
 with `--attribution`, `--resume` or `--replace` without `--out`). `claim_out(args, read)` claims the
 `--out` directory for the program (`results.claim_out_dir`: never results beside another program's).
-`refuse_unused_prompt` (a `--prompt` no statement uses) and `refuse_ignored` (an exact sweep's options under
-attribution; a `--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
+`refuse_unused_prompt` (a `--prompt` no statement uses), `refuse_shard` and `refuse_over_dataset` (`--shard`, `--align`,
+`--prompt` where the program would ignore them) and `refuse_ignored` (an exact sweep's options under attribution; a
+`--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
 `launch_defaults(args)`: under `torchrun` or `accelerate launch`, `--shard` from RANK/WORLD_SIZE and `--device`
 from LOCAL_RANK where not given (`deltalang.shards`). Imports are lazy, so `deltalang --help` loads nothing.
 """
@@ -95,10 +96,38 @@ def claim_out(args: argparse.Namespace, read: Callable[[argparse.Namespace], tup
 
 
 def refuse_shard(args: argparse.Namespace) -> None:
-    """`--shard` (or a launcher's RANK) splits a run over a dataset's records: an error for a one-prompt program."""
+    """`--shard` (or a launcher's RANK) splits a run over a dataset's records: an error for a one-prompt program;
+    so is `--align` (`refuse_align`)."""
     if getattr(args, "shard", None) is not None:
         raise DeltaError(f"--shard {args.shard.k}/{args.shard.n} splits a run over a dataset's records; this program "
                          f"runs one prompt: drop it (under torchrun: run it in one process)")
+    refuse_align(args)
+
+
+def refuse_over_dataset(args: argparse.Namespace, source: str, filename: str) -> None:
+    """What a program over a dataset would ignore: `--prompt` (its prompts are the records'), `--align` without a
+    sweep (checked before a model loads; a program that does not parse is reported where it is compiled)."""
+    if getattr(args, "prompt", None) is not None:
+        raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
+    if getattr(args, "align", None) is None:
+        return
+    from . import ast
+    from .parse import parse
+
+    try:
+        items = parse(source, filename).items
+    except DeltaError:
+        return
+    if not any(isinstance(i, ast.Sweep) for i in items):
+        refuse_align(args, "runs over a dataset without a sweep")
+
+
+def refuse_align(args: argparse.Namespace, what: str = "runs one prompt") -> None:
+    """`--align` counts a per-token measure's positions in a sweep over a dataset: an error for any other program
+    (`what` it is), which would ignore it."""
+    if getattr(args, "align", None) is not None:
+        raise DeltaError(f"--align {args.align} counts a per-token measure's positions in a sweep over a dataset; "
+                         f"this program {what}: drop it")
 
 
 def refuse_unused_prompt(resolved: Any, prompt: str | None) -> None:

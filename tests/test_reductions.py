@@ -284,5 +284,5 @@ def test_check_prints_a_mean_direction_shape_and_a_wrong_one_is_located(tmp_path
         with pytest.raises(DeltaError) as info:
             check(prog.read_text(), spec, filename=str(prog))
         shown = info.value.render()
-        assert shown.startswith(f"{prog}:4:{col}: error: a direction of the wrong shape: mean(a) - mean(b) is {what}"), \
-            shown
+        want = f"{prog}:4:{col}: error: a direction of the wrong shape: mean(a) - mean(b) is {what}"
+        assert shown.startswith(want), shown
