@@ -41,7 +41,7 @@ def plan_directions(ops: dict[str, list[Any]], add_mean: Callable[..., str]) -> 
                     key = (run, op.layer, op.value, op.position, d)
                     if key not in done:
                         done[key] = attrs.evolve(d, expr=map_atoms(d.expr, lambda a: Donor(add_mean(
-                            a, op.layer, op.value, op.position, run, op, " direction")) if isinstance(a, Mean) else a))
+                            a, op.layer, op.value, op.position, run, op, ".direction")) if isinstance(a, Mean) else a))
                     d = done[key]
                 steps.append((kind, d))
             ops[run][j] = attrs.evolve(op, reduce=attrs.evolve(op.reduce, steps=tuple(steps)))
