@@ -125,7 +125,7 @@ def format_info(spec: ModelSpec) -> str:
     ssm = spec.family.block_kind == values.SSM
     count = f"{len(spec.ssm_layers())} Mamba-2" if ssm else f"{len(spec.linear_layers())} DeltaNet"
     head = Table(title=f"{spec.model_id}  ({spec.family.name}, {spec.num_layers} blocks, {count})"
-                       + ("; a Mamba-2 state is [heads, head_dim, d_state]: key_dim = head_dim, value_dim = d_state"
+                       + ("; a Mamba-2 state is heads x head_dim x d_state: key_dim = head_dim, value_dim = d_state"
                           if ssm else ""), show_lines=False)
     for col in ("block", "kind", "family", "heads", "key_dim", "value_dim", "conv", "prompt kernel",
                 "decode kernel"):
@@ -164,7 +164,8 @@ def format_info(spec: ModelSpec) -> str:
         if spec.recurrent_layers():
             console.print("served by (CUDA tensors go to a compiled kernel where one is installed, "
                           "others to the torch reference):")
+            kinds = {spec.kind(i) for i in range(spec.num_layers)}
             for name, v in values.CATALOGUE.items():
-                if name not in values.MODEL_VALUES:
+                if name not in values.MODEL_VALUES and kinds & set(v.kinds):
                     console.print(f"  {name}: {served_by(spec, name, notes=False)}")
     return cap.get()

@@ -332,3 +332,15 @@ def test_a_sweep_on_a_mamba2_model_runs_its_cells_as_programs() -> None:
             'sweep s on clean over L in L[ssm], t in 0..3 {\n    write L.state_after(t) from other\n    measure kl(base)\n}\n')
     r = deltalang.check(text, spec)
     assert fast_path_blocker(r, r.run("s")) == "the engine does not recompute Mamba-2 blocks yet"
+
+
+def test_info_names_the_mamba2_blocks_and_what_serves_them() -> None:
+    from deltalang import info
+
+    spec = deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint("granitemoehybrid"))
+    text = info.format_info(spec)
+    assert "3 Mamba-2" in text and text.count("│ Mamba-2") == 3
+    served = text.split("served by", 1)[1]
+    assert "states: deltalang's chunked Mamba-2 scan" in served and "step_sizes:" in served
+    assert "attention_keys:" not in served  # a delta-rule value, on no block of this model
+    assert info.status(spec, 0, "step_sizes") == info.AVAILABLE and info.status(spec, 0, "betas") != info.AVAILABLE
