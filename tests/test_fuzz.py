@@ -221,7 +221,7 @@ from deltalang import values as _values  # noqa: E402
 from deltalang.bundled import PATH as _BUNDLED  # noqa: E402
 
 _PROMPTS = ('prompt clean = "The Eiffel Tower is in the city of"\nprompt other = "My favourite food is pizza"\n'
-            'prompts many = ["The Louvre is in", "Big Ben is in the city of"]\n')
+            'prompts many = ["The Tower is in the city of", "My favourite food is pizza with"]\n')
 _BLOCKS = ("L0", "L4", "L6", "L[linear]")
 _POSITIONS = ("0", "2", "-1", "-2", '"Tower"')
 _REDUCTIONS = ("", "", ".norm()", ".mean(positions)", ".head(1)", ".head(0).mean(positions).norm()")
@@ -245,7 +245,7 @@ def _statement(draw: Any, kind: str, blocks: tuple[str, ...] = _BLOCKS) -> str:
         site = draw(_site(True, blocks)) + draw(st.sampled_from(("", "", ".head(0)")))
         if what == "scale":
             by = draw(st.sampled_from(("0.5", "0", "2")))
-            return f"write {site} {draw(st.sampled_from(('*=', '+=', '-=')))} {by}"
+            return f"write {site} {draw(st.sampled_from(('*=', '+=')))} {by}"
         source = draw(st.sampled_from(("= zeros", "from other", "from other at 2", 'from other at "is"', "= mean(many)",
                                        "= kept", "from other.state_output", "from base")))
         return f"write {site} {source}"
@@ -283,17 +283,25 @@ def bundled_model() -> Any:
     return deltalang.load_model()
 
 
-def test_well_formed_programs_run_without_an_internal_error(bundled_model: Any) -> None:
+@pytest.mark.parametrize("family", ["bundled", "kimi_linear", "qwen3_next"])
+def test_well_formed_programs_run_without_an_internal_error(family: str, bundled_model: Any) -> None:
     """Any program built from the catalogue's values and the statement kinds runs, or is one DeltaError;
-    anything else is what `deltalang` prints as an internal error."""
+    anything else is what `deltalang` prints as an internal error. On the bundled model and tiny checkpoints
+    (their first and last DeltaNet blocks, and the last block)."""
     import deltalang
+    from deltalang.testing import tiny_checkpoint
+
+    model = bundled_model if family == "bundled" else deltalang.load_model(tiny_checkpoint(family))
+    lin = model.linear_layers()
+    blocks = _BLOCKS if family == "bundled" else (f"L{lin[0]}", f"L{lin[-1]}", "L[linear]",
+                                                  f"L{model.spec.num_layers - 1}")
 
     @settings(max_examples=_N or 25, deadline=None, derandomize=not _N,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-    @given(_well_formed())
+    @given(_well_formed(blocks))
     def one(text: str) -> None:
         try:
-            deltalang.run(text, model=bundled_model)
+            deltalang.run(text, model=model)
         except DeltaError:
             pass
         except Exception as e:  # noqa: BLE001 - an internal error: the program that gave it
