@@ -344,3 +344,27 @@ def test_info_names_the_mamba2_blocks_and_what_serves_them() -> None:
     assert "states: deltalang's chunked Mamba-2 scan" in served and "step_sizes:" in served
     assert "attention_keys:" not in served  # a delta-rule value, on no block of this model
     assert info.status(spec, 0, "step_sizes") == info.AVAILABLE and info.status(spec, 0, "betas") != info.AVAILABLE
+
+
+@pytest.mark.parametrize("name", ("bamba", "falcon_h1"))
+def test_a_decode_step_written_after_its_token(name: str) -> None:
+    """`state_after(-1)` written at a decode step: that step's token reads it (falcon_h1: gated by z in the
+    kernel call), and the cache carries it on; against transformers' step with its state update replaced."""
+    model, hf = _models(name)
+    ids = _ids(8)
+    layer = _ssm(hf)[0]
+    donor = _cache_after(hf, _ids(seed=11), 6).get_recurrent_state(layer).clone()
+    with torch.no_grad(), model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+        for step in tracer.iter[1]:
+            model.layers[layer].linear_attn.set_state_after(-1, donor)
+            leaving = model.layers[layer].linear_attn.state_output.save()
+            got = model.logits.save()
+    logits = _forward(hf, ids).logits[:, -1].clone()
+    logits[:, hf.config.eos_token_id] = -float("inf")
+    token = logits.argmax(-1, keepdim=True)
+    cache = _cache_after(hf, ids, ids.shape[1] - 1)
+    with _step_replaced(name, hf, {layer: donor}):
+        out = _forward(hf, token, cache, start=ids.shape[1])
+    _close(got[:, -1], out.logits[:, -1], tol=1e-3)
+    _close(leaving, compat.output_cache(out).get_recurrent_state(layer))
+    _close(leaving, donor)
