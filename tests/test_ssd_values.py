@@ -368,3 +368,66 @@ def test_a_decode_step_written_after_its_token(name: str) -> None:
     _close(got[:, -1], out.logits[:, -1], tol=1e-3)
     _close(leaving, compat.output_cache(out).get_recurrent_state(layer))
     _close(leaving, donor)
+
+
+@contextmanager
+def _scan_patched(name: str, hf: Any, layer: int, value: str) -> Iterator[None]:
+    """Layer `layer`'s prompt scan with one of its inputs or its output changed as the test below writes it."""
+    module = testing_ssd.modeling_module(name)
+    original = getattr(module, ssd.SCAN_GLOBAL)
+    current = [-1]
+    hooks = [m.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i))
+             for i, m in testing_ssd.ssd_mixers(hf)]
+
+    def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *a: Any,
+             **kw: Any) -> Any:
+        if current[0] != layer:
+            return original(x, dt, A, B, C, *a, **kw)
+        if value == "step_sizes":  # transformers' own step sizes, doubled, passed as they are
+            step = torch.clamp(torch.nn.functional.softplus(dt + kw["dt_bias"]), *kw["dt_limit"])
+            dt, kw = 2 * step, kw | {"dt_bias": None, "dt_softplus": False, "dt_limit": (0.0, float("inf"))}
+        elif value == "decay_rates":
+            A = 0.5 * A
+        elif value == "input_matrices":
+            B = -B
+        out = original(x, dt, A, B, C, *a, **kw)
+        if value == "head_outputs":
+            y = torch.zeros_like(out[0] if isinstance(out, tuple) else out)
+            return (y, out[1]) if isinstance(out, tuple) else y
+        return out
+    setattr(module, ssd.SCAN_GLOBAL, scan)
+    try:
+        yield
+    finally:
+        setattr(module, ssd.SCAN_GLOBAL, original)
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.parametrize("value", ["step_sizes", "decay_rates", "input_matrices", "head_outputs"])
+def test_a_written_scan_input_or_output_is_what_the_scan_runs_on(value: str) -> None:
+    model, hf = _models("bamba")
+    ids = _ids()
+    layer = _ssm(hf)[0]
+    saved: dict[str, Any] = {}
+    with torch.no_grad(), model.trace(ids):
+        mixer = model.layers[layer].linear_attn
+        if value == "step_sizes":
+            mixer.step_sizes = mixer.step_sizes * 2
+        elif value == "decay_rates":
+            mixer.decay_rates = mixer.decay_rates * 0.5
+        elif value == "input_matrices":
+            mixer.input_matrices = -mixer.input_matrices
+        if value == "head_outputs":  # after state_after in the forward's order
+            mixer.head_outputs = torch.zeros_like(mixer.head_outputs)
+        else:
+            saved["after"] = mixer.state_after(6).save()
+        got = model.logits.save()
+    with _scan_patched("bamba", hf, layer, value):
+        want = _forward(hf, ids).logits
+        state = _cache_after(hf, ids, 6).get_recurrent_state(layer)
+    _close(got, want, tol=1e-4)
+    if value != "head_outputs":
+        _close(saved["after"], state)
+    clean = _forward(hf, ids).logits
+    assert float((got - clean).abs().max()) > 10 * float((got - want).abs().max())
