@@ -205,7 +205,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_it(model: deltalang.Delta
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from deltalang.compiled import Experiment
 
-    def broken(self: Any) -> Any:
+    def broken(self: Any, **kw: Any) -> Any:  # Experiment.run(progress=...)
         raise RuntimeError("boom\nsecond line")
 
     monkeypatch.setattr(Experiment, "run", broken)
