@@ -33,7 +33,8 @@ def test_every_module_wrapping_a_delta_rule_kernel_is_found() -> None:
     expected = {p.parent.name for p in root.glob("*/modeling_*.py") if wrapped.search(p.read_text())}
     assert expected >= {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear"}
     assert set(FAMILY_NAMES) == expected
-    assert families.unserved() == ()
+    # only the Mamba-2 families deltalang does not reach yet (families.ADAPTERS: unserved) are refused
+    assert {line.split(":")[0] for line in families.unserved()} == {"zamba2", "mamba2"}
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

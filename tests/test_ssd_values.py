@@ -431,3 +431,12 @@ def test_a_written_scan_input_or_output_is_what_the_scan_runs_on(value: str) -> 
         _close(saved["after"], state)
     clean = _forward(hf, ids).logits
     assert float((got - clean).abs().max()) > 10 * float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("name", ("zamba2", "mamba2"))
+def test_the_mamba2_families_not_served_yet_are_refused_in_one_line(name: str) -> None:
+    from deltalang.errors import DeltaModelError
+
+    with pytest.raises(DeltaModelError) as err:
+        deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint(name))
+    assert "cannot serve" in str(err.value) and "does not reach yet" in str(err.value) and "\n" not in str(err.value)
