@@ -295,3 +295,12 @@ def test_the_measures_have_the_units_the_page_states(model: deltalang.DeltaModel
                                                                 rel=1e-4)
     per_token = base.value(0, "states")[0].flatten(1).norm(dim=-1)
     assert torch.allclose(torch.as_tensor(r["base.norm(L0.states)"]).flatten(), per_token, rtol=1e-4, atol=1e-7)
+
+
+def test_the_readme_is_a_front_page_and_its_links_resolve() -> None:
+    """Issue 27: the README stays short enough to read in ten minutes, and every relative link it has
+    names a file of the repository (the rest of what it once held lives in docs/)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert (ROOT / target).exists(), target
