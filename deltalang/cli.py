@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
         p.add_argument("--device-map", default=None,
                        help="shard a large checkpoint through accelerate: 'auto', or a JSON file mapping module "
-                            "names to devices (0, 'cpu', 'disk'); see the README")
+                            "names to devices (0, 'cpu', 'disk'); see docs/gpu.md")
         p.add_argument("--remote", nargs="?", const="ndif", choices=["ndif", "local"], default=None,
                        help="not supported: deltalang's values cannot run on an NDIF server (refused with the reason)")
         if name in ("run", "sweep"):
