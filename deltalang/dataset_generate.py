@@ -12,7 +12,6 @@ measure and step; `save(DIR)` writes results.csv, continuations.jsonl, summary.c
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -22,7 +21,7 @@ import attrs
 from . import ast, html
 from .bundled import NAME
 from .compiled import Experiment
-from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
+from .dataset_store import RecordProgress, RecordStore, program_meta, write_long_csv, write_summary
 from .datasets import Dataset
 from .emit import emit
 from .errors import DeltaError
@@ -325,9 +324,8 @@ def run_generate(program: ast.Program, ds: Dataset, resolutions: list[RecordReso
     columns = ["record", "line", *ds.fields, "measure", "step", "value"]
     store = None
     if out is not None:
-        meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
-                "model": model.spec.model_id, "options": {"batch": batch}, "columns": columns,
-                "records": len(ds.records)}
+        meta = program_meta(source, model.spec.model_id, options={"batch": batch}, columns=columns,
+                            records=len(ds.records))
         store = RecordStore(Path(out), meta, columns, resume)
     done = store.done if store is not None else set()
     groups = generate_groups(resolutions, batch)

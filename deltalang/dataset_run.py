@@ -14,7 +14,6 @@ before anything runs. `DatasetResults`: long-format `rows` and per measure mean,
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -27,7 +26,7 @@ from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_g
 from .collection import Collection
 from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generates, run_generate
-from .dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
+from .dataset_store import RecordProgress, RecordStore, program_meta, write_long_csv, write_summary
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, RecordsWarning, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
@@ -197,9 +196,8 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     columns = ["record", "line", *ds.fields, "measure", "value"]
     store = None
     if out is not None:
-        meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
-                "model": model.spec.model_id, "options": {"batch": batch}, "columns": columns,
-                "records": len(ds.records)}
+        meta = program_meta(source, model.spec.model_id, options={"batch": batch}, columns=columns,
+                            records=len(ds.records))
         store = RecordStore(Path(out), meta, columns, resume)
     done = store.done if store is not None else set()
     groups = record_groups([r for r in resolutions if r.resolved is not None], batch)
@@ -238,8 +236,7 @@ def run_collection(program: ast.Program, ds: Dataset, resolutions: list[RecordRe
     if out is None:
         raise DeltaError("a run over a dataset that reads collects every record's values into files as it goes: "
                          "give --out DIR (out= from Python)")
-    meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
-            "model": model.spec.model_id, "shard_bytes": shard_bytes, "records": len(ds.records)}
+    meta = program_meta(source, model.spec.model_id, shard_bytes=shard_bytes, records=len(ds.records))
     store = CollectStore(Path(out), meta, resume, shard_bytes)
     todo, labels = prepare(program, resolutions, store.done)
     groups = record_groups(todo, batch)

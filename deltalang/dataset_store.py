@@ -15,6 +15,8 @@ line (rich; nothing without a console). Problems are DeltaErrors.
 
 from __future__ import annotations
 
+import hashlib
+
 import csv
 import io
 import json
@@ -31,6 +33,13 @@ if TYPE_CHECKING:
     from .datasets import Dataset
 
 CSV_NAME, META_NAME, PARTIAL_NAME = "results.csv", "progress.json", "results.partial.csv"
+
+
+def program_meta(source: str, model_id: str, **fields: Any) -> dict[str, Any]:
+    """What a saved run over a dataset records of its program (text and sha256) and model, then `fields`:
+    the one place `--resume` and `merge` compare against."""
+    return {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source, "model": model_id,
+            **fields}
 
 
 class RecordStore:

@@ -14,7 +14,6 @@ continue record by record. A per-token measure gives a row per token, aligned by
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +26,7 @@ import attrs
 from .. import ast
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
-from ..dataset_store import RecordProgress, RecordStore, write_long_csv, write_summary
+from ..dataset_store import RecordProgress, RecordStore, program_meta, write_long_csv, write_summary
 from ..datasets import Dataset, Record
 from ..errors import DeltaError
 from ..ir import Resolved, ResolvedRun
@@ -232,11 +231,9 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                "value"]
     store = None
     if out is not None:
-        meta = {"program_sha256": hashlib.sha256(source.encode()).hexdigest(), "program": source,
-                "model": model.spec.model_id, "options": {"normalise": None if norm is None else norm.text(),
-                                                          "engine": engine, "batch_size": batch_size,
-                                                          **({"align": alignment.text} if tokens else {})},
-                "columns": columns, "records": len(ds.records)}
+        options = {"normalise": None if norm is None else norm.text(), "engine": engine, "batch_size": batch_size,
+                   **({"align": alignment.text} if tokens else {})}
+        meta = program_meta(source, model.spec.model_id, options=options, columns=columns, records=len(ds.records))
         store = RecordStore(Path(out), meta, columns, resume)
     done = store.done if store is not None else set()
     todo = [(rec, res) for rec, res in good if rec.index not in done]
