@@ -6,6 +6,7 @@
 - `per_token_reduced(..., sinks)`: each group of chunks of one row handed to every sink and dropped, so the
   `[b, s, h, dk, dv]` tensor never exists; `per_token_sq_norms` each head's squared norm after every token.
 - `per_token_loop`: the same recurrence token by token (the tests' plain statement of it).
+- `final_state`: the state after the last token alone (a read's side call), one decay per head.
 - `prepare`: the kernels' own preprocessing; `read_state`: one token's read `q_t @ S`.
 - `reusing()` / `release()`: inside a traced forward, a block's states reuse an earlier call's buffer once
   nothing references it; a tensor returned is never overwritten while anything can see it.
@@ -175,6 +176,40 @@ def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, valu
     states = _chunk_states(k, kd, decay, cum, starts, u, b)
     assert states is not None
     return out, states[:, :s]
+
+
+def final_state(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool,
+                chunk_size: int = 64) -> torch.Tensor:
+    """The state after the last token alone, `[b, h, dk, dv]` float32, one decay per head (the gated delta
+    rule): the query-free half of transformers' chunked kernel, its operations in its order (chunks of 64,
+    the same triangular solves), so the state equals the kernel's own final state while the outputs, the
+    intra-chunk attention and the state reads are never computed (a read's side call over a prefix)."""
+    heads = value.shape[-2]
+    if key.shape[-2] != heads:
+        key = key.repeat_interleave(heads // key.shape[-2], dim=2)
+    k = _normed(fam, key.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format), use_qk_l2norm)
+    v, gg, bb = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (value, g, beta))
+    b, h, s, dk = k.shape
+    C = chunk_size
+    pad = (-s) % C
+    n = (s + pad) // C
+    k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b, h, n, C, x.shape[-1]) for x in (k, v))
+    gg, bb = (torch.nn.functional.pad(x, (0, pad)).reshape(b, h, n, C) for x in (gg, bb))
+    cum = gg.cumsum(dim=-1)
+    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    k_beta = k * bb[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v * bb[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    S = (torch.zeros((b, h, dk, v.shape[-1]), dtype=torch.float32, device=v.device) if initial_state is None
+         else initial_state.to(u))
+    k_last = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(n):
+        S = S * chunk_decay[:, :, i] + k_last[:, :, i].transpose(-1, -2) @ (u[:, :, i] - w[:, :, i] @ S)
+    return S
 
 
 def per_token_reduced(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

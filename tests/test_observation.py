@@ -17,7 +17,7 @@ import torch
 from reference import Reference, Write
 
 import deltalang
-from deltalang import families, testing
+from deltalang import deltarule, families, testing
 from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 LONG = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens: two chunks
@@ -181,3 +181,28 @@ def test_states_beside_state_after_on_16_dim_value_heads(tmp_path: Path) -> None
     assert truth.worst(LONG, both[2], "0") < REL
     for key, value in alone[2].items():
         assert torch.equal(value, both[2][key])
+
+
+GATED = [n for n in FAMILY_NAMES if not getattr(families, n).per_channel_decay]
+
+
+@pytest.mark.parametrize("name", GATED)
+@pytest.mark.parametrize("length", [5, 64, 70, 131])
+def test_a_side_calls_state_is_the_kernels_own_final_state(name: str, length: int) -> None:
+    """`deltarule.final_state` (a read's side call behind a torch kernel: the kernel's state half only) equals
+    the final state of the family's own chunked kernel in transformers, bit for bit: grouped key heads, from
+    zeros and from a given state, one chunk and several, rows stacked or alone."""
+    fam = getattr(families, name)
+    kernel = getattr(fam.module, fam.chunk_kernel)
+    gen = torch.Generator().manual_seed(length)
+    b, h, kh, dk, dv = 3, 4, 2, 16, 8
+    q, k = (torch.randn(b, length, kh, dk, generator=gen) for _ in range(2))
+    v = torch.randn(b, length, h, dv, generator=gen)
+    g, beta = -torch.rand(b, length, h, generator=gen), torch.rand(b, length, h, generator=gen)
+    for start in (None, torch.randn(b, h, dk, dv, generator=gen) * 0.1):
+        want = kernel(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)[1]
+        assert torch.equal(deltarule.final_state(fam, q, k, v, g, beta, start, True), want)
+        one = deltarule.final_state(fam, q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2],
+                                    None if start is None else start[1:2], True)
+        assert torch.equal(one[0], want[1])

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from nnsight.intervention.interleaver import Event
 
-from .. import kernels
+from .. import deltarule, kernels
 from .rows import CHUNK, Segments, _invokes
 
 if TYPE_CHECKING:
@@ -108,11 +108,11 @@ def serve_reads(call: DeltaRuleCall, fn: Callable[..., Any], out: torch.Tensor, 
         if not asked:
             break
         wanted = {p: {r for n in names for r in _rows_of(n, invokes, every)} for p, names in asked.items()}
-        _prefetch(book, fn, inputs, final, known, wanted, l2, padded)  # every request parked now, together
+        _prefetch(call, book, fn, inputs, final, known, wanted, l2, padded)  # every request parked now, together
         p = min(asked)
         for name in call._names_at("state_after", step, p):
             rows = _rows_of(name, invokes, every)
-            _prefetch(book, fn, inputs, final, known, {p: set(rows)}, l2, padded)  # a worker's next request
+            _prefetch(call, book, fn, inputs, final, known, {p: set(rows)}, l2, padded)  # a worker's next request
             state = torch.stack([known[p, r] for r in rows])
             new = call.serve(name, state, step)
             if new is not state:  # a write: these rows' forward splits at p
@@ -136,7 +136,7 @@ def _pads_itself(call: DeltaRuleCall, fn: Callable[..., Any]) -> bool:
     return True
 
 
-def _prefetch(book: _Rows, fn: Callable[..., Any], inputs: Inputs, final: torch.Tensor,
+def _prefetch(call: DeltaRuleCall, book: _Rows, fn: Callable[..., Any], inputs: Inputs, final: torch.Tensor,
               known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], l2: bool,
               padded: bool) -> None:
     """The states after the wanted positions not yet known, each row's from its base: the state after the
@@ -156,29 +156,44 @@ def _prefetch(book: _Rows, fn: Callable[..., Any], inputs: Inputs, final: torch.
         length = part[2] - part[1]
         calls.setdefault(-(-length // CHUNK) if padded else length, []).append(part)
     for group in calls.values():
-        states = _left_aligned(book, fn, inputs, group, l2)
+        states = _left_aligned(book, fn, inputs, group, l2, call)
         n = 0
         for rows, _, e in group:
             known.update(((e - 1, r), states[n + i]) for i, r in enumerate(rows))
             n += len(rows)
 
 
+def _final(call: DeltaRuleCall, fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           g: torch.Tensor, beta: torch.Tensor, start: torch.Tensor | None, l2: bool) -> torch.Tensor:
+    """The final state of a side call: behind transformers' own chunked torch kernel of the gated delta rule,
+    only its state's half (`deltarule.final_state`, the same bits); else the kernel itself (FLA's, KDA's, a
+    routed one), its outputs unused."""
+    fam = call.family
+    if (not fam.per_channel_decay and fn is kernels.backend(fam, fam.chunk_kernel).fn
+            and kernels.has_python_source(fn, fam.module_name)):
+        return deltarule.final_state(fam, q, k, v, g, beta, start, l2)
+    return fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=l2)[1]
+
+
 def _left_aligned(book: _Rows, fn: Callable[..., Any], inputs: Inputs, parts: list[tuple[list[int], int, int]],
-                  l2: bool) -> torch.Tensor:
-    """One kernel call over the parts (rows, start, end) stacked, each followed by zeros to the longest:
+                  l2: bool, call: DeltaRuleCall) -> torch.Tensor:
+    """One side call over the parts (rows, start, end) stacked, each followed by zeros to the longest:
     the final states, the parts' rows in order."""
     if len(parts) == 1:
         rows, a, e = parts[0]
-        return _run(fn, inputs, rows, a, e, book.start(rows), l2)[1]
+        b = inputs[0].shape[0]
+        idx: Any = slice(None) if rows == list(range(b)) else rows
+        q, k, v, g, beta = (x[idx, a:e] for x in inputs)
+        return _final(call, fn, q, k, v, g, beta, book.start(rows), l2)
     width = max(e - a for _, a, e in parts)
     stacked = []
     for x in inputs:
-        padded = x.new_zeros((sum(len(r) for r, _, _ in parts), width, *x.shape[2:]))
+        zeros = x.new_zeros((sum(len(r) for r, _, _ in parts), width, *x.shape[2:]))
         n = 0
         for rows, a, e in parts:
-            padded[n:n + len(rows), :e - a] = x[rows, a:e]
+            zeros[n:n + len(rows), :e - a] = x[rows, a:e]
             n += len(rows)
-        stacked.append(padded)
+        stacked.append(zeros)
     starts = [book.start(rows) for rows, _, _ in parts]
     start = None
     if any(x is not None for x in starts):
@@ -186,7 +201,7 @@ def _left_aligned(book: _Rows, fn: Callable[..., Any], inputs: Inputs, parts: li
         start = torch.cat([x if x is not None else like.new_zeros((len(rows), *like.shape[1:]))
                            for x, (rows, _, _) in zip(starts, parts)])
     q, k, v, g, beta = stacked
-    return fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=l2)[1]
+    return _final(call, fn, q, k, v, g, beta, start, l2)
 
 
 def _rows_of(name: str, invokes: dict[int, list[int]] | None, every: list[int]) -> list[int]:
