@@ -168,9 +168,9 @@ def _final(call: DeltaRuleCall, fn: Callable[..., Any], q: torch.Tensor, k: torc
     """The final state of a side call: behind transformers' own chunked torch kernel of the gated delta rule,
     only its state's half (`deltarule.final_state`, the same bits); else the kernel itself (FLA's, KDA's, a
     routed one), its outputs unused."""
-    fam = call.family
-    if (not fam.per_channel_decay and fn is kernels.backend(fam, fam.chunk_kernel).fn
-            and kernels.has_python_source(fn, fam.module_name)):
+    fam, b = call.family, kernels.backend(call.family, call.family.chunk_kernel)
+    torch_only = fn is b.reference or (b.compiled is None and fn is b.fn)  # transformers' own torch function
+    if not fam.per_channel_decay and torch_only and fn is not b.compiled:
         return deltarule.final_state(fam, q, k, v, g, beta, start, l2)
     return fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=l2)[1]
 
