@@ -203,6 +203,7 @@ def progress_bar(console: Any, total: int, unit: str, description: str) -> tuple
         return bar, 0
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
+    from rich.table import Column
     from rich.text import Text
 
     class Rate(ProgressColumn):
@@ -210,7 +211,22 @@ def progress_bar(console: Any, total: int, unit: str, description: str) -> tuple
             speed = task.finished_speed or task.speed
             return Text("" if speed is None else f"{speed:.2f} {unit}/s", style="progress.data.speed")
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(), TextColumn(unit),
-                   Rate(), TimeElapsedColumn(), TextColumn("elapsed,"), TimeRemainingColumn(), TextColumn("left"),
-                   console=console, transient=False)
+    def whole(column: type, *args: Any) -> Any:  # never cropped nor wrapped: a number cut short misleads
+        return column(*args, table_column=Column(no_wrap=True, overflow="ignore"))
+
+    # Room for the text at its widest (rate up to 99999.99/s, times up to 9:59:59): the bar takes what is left, at
+    # most 20 cells, and is dropped below 4; narrower, the time elapsed goes, then the rate, so what shows is whole.
+    counts = f"{total}/{total}"
+    room = console.width - sum(len(w) + 1 for w in [description, counts, unit, "9:59:59", "left"])
+    rate, elapsed = len(f"99999.99 {unit}/s") + 1, len("9:59:59 elapsed,") + 1
+    columns: list[Any] = [whole(TextColumn, "{task.description}")]
+    if room - rate - elapsed >= 4:
+        columns.append(BarColumn(bar_width=min(20, room - rate - elapsed - 1)))
+    columns += [whole(MofNCompleteColumn), whole(TextColumn, unit)]
+    if room >= rate:
+        columns.append(whole(Rate))
+    if room >= rate + elapsed:
+        columns += [whole(TimeElapsedColumn), whole(TextColumn, "elapsed,")]
+    columns += [whole(TimeRemainingColumn), whole(TextColumn, "left")]
+    bar = Progress(*columns, console=console, transient=False)
     return bar, bar.add_task(description, total=total)

@@ -30,13 +30,36 @@ def model() -> Any:
     return deltalang.load_model()
 
 
-def test_the_command_line_shows_every_step_and_the_rate(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_the_command_line_shows_every_step_and_the_rate(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # what rich draws at under CI=true, or on a terminal of 80 columns
     program = tmp_path / "g.dl"
     program.write_text(GEN.format(n=12))
     assert main(["run", str(program)]) == 0
     err = capsys.readouterr().err
     line = next(ln for ln in err.splitlines() if ln.startswith("generate g"))
     assert "12/12 steps" in line and "steps/s" in line and "elapsed" in line
+
+
+@pytest.mark.parametrize("width", [49, 60, 80, 200])
+def test_every_number_of_the_line_shows_whole_at_any_width(width: int) -> None:
+    """At 80 columns rich cropped the rate column ('101.41' without 'steps/s'); narrower, it cut every column."""
+    from deltalang.html import progress_bar
+
+    clock = iter(i / 1000 for i in range(10_000))  # a step every millisecond: 1000.00 steps/s
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, get_time=lambda: next(clock))
+    bar, task = progress_bar(console, 300, "steps", "generate a_long_name")
+    with bar:
+        for _ in range(300):
+            bar.update(task, advance=1)
+    line = buf.getvalue().splitlines()[-1]
+    assert line.startswith("generate a_long_name") and " 300/300 steps " in line, line
+    assert line.rstrip().endswith(" left") and len(line.rstrip()) <= width, line
+    if width >= 80:  # narrower, only the counts and the time left have room beside a name this long
+        assert " 1000.00 steps/s " in line, line
+    if width >= 200:
+        assert " elapsed, " in line and "━" in line, line
 
 
 def test_a_trace_shows_no_progress(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
