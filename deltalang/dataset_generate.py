@@ -21,7 +21,7 @@ import attrs
 from . import ast, html
 from .bundled import NAME
 from .compiled import Experiment
-from .dataset_store import RecordProgress, RecordStore, program_meta, write_long_csv, write_summary
+from .dataset_store import RecordProgress, RecordStore, format_stats, program_meta, write_long_csv, write_summary
 from .datasets import Dataset
 from .emit import emit
 from .errors import DeltaError
@@ -86,11 +86,8 @@ class DatasetGeneration:
             lines.append(f"... {len(self.continuations) - shown} more continuations (results.continuations)")
         for s in self.stats:
             step = f"step {s.step}" if s.step != "" else ""
-            lines.append(f"{s.measure:40} {step:8} mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  "
-                         f"95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]")
-        if self.skipped:
-            lines.append(f"left out {len(self.skipped)} of {n_rec} records (--strict stops instead):")
-            lines.extend(f"  {self.dataset.where(self.dataset.records[i])}: {why}" for i, why in self.skipped)
+            lines.append(f"{s.measure:40} {step:8} {format_stats(s)}")
+        lines.extend(self.dataset.left_out_lines(self.skipped))
         return "\n".join(lines)
 
     def to_pandas(self) -> Any:

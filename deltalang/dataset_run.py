@@ -26,7 +26,7 @@ from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_g
 from .collection import Collection
 from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generates, run_generate
-from .dataset_store import RecordProgress, RecordStore, program_meta, write_long_csv, write_summary
+from .dataset_store import RecordProgress, RecordStore, format_stats, program_meta, write_long_csv, write_summary
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, RecordsWarning, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
@@ -112,12 +112,8 @@ class DatasetResults:
         n_rec = len(self.dataset.records)
         lines = [f"{len(self.dataset.records) - len(self.skipped)} of {n_rec} records of '{self.dataset.name}'"]
         for s in self.stats:
-            lines.append(f"{s.measure:48} mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  "
-                         f"95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]")
-        if self.skipped:
-            lines.append(f"left out {len(self.skipped)} of {n_rec} records (--strict stops instead):")
-            for i, why in self.skipped:
-                lines.append(f"  {self.dataset.where(self.dataset.records[i])}: {why}")
+            lines.append(f"{s.measure:48} {format_stats(s)}")
+        lines.extend(self.dataset.left_out_lines(self.skipped))
         return "\n".join(lines)
 
     def to_pandas(self) -> Any:

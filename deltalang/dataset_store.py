@@ -9,7 +9,7 @@ and the options that change values), so an interrupted run loses no finished rec
 continues the same run only; without `resume` a directory holding an unfinished run is an error.
 `finish()` marks the run complete once the caller wrote its final files; `abandon()` removes what a run
 that finished no record wrote. Floats round-trip through `repr`. `write_long_csv` and `write_summary` are
-the one writer of `results.csv`, `summary.csv/json` and `program.dl`. `RecordProgress` is the progress
+the one writer of `results.csv`, `summary.csv/json` and `program.dl`; `format_stats` the one form of a summary's statistics. `RecordProgress` is the progress
 line (rich; nothing without a console). Problems are DeltaErrors.
 """
 
@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from .datasets import Dataset
 
 CSV_NAME, META_NAME, PARTIAL_NAME = "results.csv", "progress.json", "results.partial.csv"
+
+
+def format_stats(s: Any) -> str:
+    """`mean 1.2345  std 0.1234  n 24  95% CI [1.1, 1.3]`: the statistics of a `MeasureStats` (or anything with
+    its fields: a generate's per-step statistics), as every summary prints them."""
+    return f"mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]"
 
 
 def program_meta(source: str, model_id: str, **fields: Any) -> dict[str, Any]:

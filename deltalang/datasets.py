@@ -17,7 +17,7 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import attrs
 
@@ -50,6 +50,13 @@ class Dataset:
         for r in self.records:
             seen.update(dict.fromkeys(r.fields))
         return tuple(seen)
+
+    def left_out_lines(self, skipped: Sequence[tuple[int, str]]) -> list[str]:
+        """What a summary prints of the records left out (`(record index, why)`): none, or a line and one per record."""
+        if not skipped:
+            return []
+        return [f"left out {len(skipped)} of {len(self.records)} records (--strict stops instead):",
+                *(f"  {self.where(self.records[i])}: {why}" for i, why in skipped)]
 
     def where(self, record: Record) -> str:
         """`facts.jsonl:3` (a file's line) or `<data>: row 3` (data given from Python)."""

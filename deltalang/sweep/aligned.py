@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from .. import ast, measures
+from ..dataset_store import format_stats
 from ..datasets import Dataset, Record
 from ..errors import DeltaError
 from ..ir import Resolved, ResolvedMeasure, ResolvedRun
@@ -130,8 +131,7 @@ def per_token_lines(stats: Sequence[Any], align: str | None, shown: int = 8) -> 
         at = ", ".join(f"{k}={v}" for k, v in point)
         lines.append(f"{sweep}[{at}] {m}, per token from {align or '-1'}"
                      + (f" ({len(got) - shown} more positions in summary.csv)" if len(got) > shown else ""))
-        lines.extend(f"  {c.position:24} mean {c.stats.mean:.4f}  std {c.stats.std:.4f}  n {c.stats.n}  "
-                     f"95% CI [{c.stats.ci_low:.4f}, {c.stats.ci_high:.4f}]" for c in near)
+        lines.extend(f"  {c.position:24} {format_stats(c.stats)}" for c in near)
     return lines
 
 

@@ -26,7 +26,7 @@ import attrs
 from .. import ast
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
-from ..dataset_store import RecordProgress, RecordStore, program_meta, write_long_csv, write_summary
+from ..dataset_store import RecordProgress, RecordStore, format_stats, program_meta, write_long_csv, write_summary
 from ..datasets import Dataset, Record
 from ..errors import DeltaError
 from ..ir import Resolved, ResolvedRun
@@ -128,18 +128,12 @@ class DatasetSweepResults:
                     for c in self.stats:
                         if c.sweep == sweep and c.stats.measure == m:
                             at = ", ".join(f"{k}={v}" for k, v in c.point)
-                            s = c.stats
-                            lines.append(f"{sweep}[{at}] {m}: mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  "
-                                         f"95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]")
+                            lines.append(f"{sweep}[{at}] {m}: {format_stats(c.stats)}")
         lines.extend(per_token_lines(self.stats, self.align))
         for c in self.stats:
             if c.sweep not in self.axes:
-                s = c.stats
-                lines.append(f"{s.measure:48} mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  "
-                             f"95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]")
-        if self.skipped:
-            lines.append(f"left out {len(self.skipped)} of {n} records (--strict stops instead):")
-            lines.extend(f"  {self.dataset.where(self.dataset.records[i])}: {why}" for i, why in self.skipped)
+                lines.append(f"{c.stats.measure:48} {format_stats(c.stats)}")
+        lines.extend(self.dataset.left_out_lines(self.skipped))
         return "\n".join(lines)
 
     def columns(self) -> list[str]:
