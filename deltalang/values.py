@@ -15,6 +15,7 @@ import attrs
 DELTANET = "deltanet"
 SSM = "ssm"  # a Mamba-2 (SSD) block: `L[ssm]`
 ATTENTION = "attention"
+MLP = "mlp"  # a block with neither a recurrent mixer nor attention (nemotron_h's `mlp` and `moe` blocks)
 RECURRENT = (DELTANET, SSM)
 
 
@@ -102,7 +103,7 @@ CATALOGUE: dict[str, Value] = {
         Value("attention_output", "[b, s, hidden]", "What the mixer adds to the residual stream: [b, s, hidden].",
               kinds=(DELTANET, SSM), writable=True, order=80, kernel=False, per_token=True),
         Value("output", "[b, s, hidden]", "The block's output, the residual stream after it: [b, s, hidden].",
-              kinds=(DELTANET, SSM, ATTENTION), writable=True, order=90, kernel=False, per_token=True),
+              kinds=(DELTANET, SSM, ATTENTION, MLP), writable=True, order=90, kernel=False, per_token=True),
     )
 }
 
