@@ -82,6 +82,10 @@ class ModelSpec:
             mixer = "Mamba-2" if ssm and values.SSM in v.kinds else "DeltaNet"
             what = ": an MLP block, no attention either" if kind == values.MLP else ""
             return f"no {mixer} mixer on this block ({self.layer_types[layer]}{what})"
+        if value == "gate" and not self.family.gated_norm(text_config(self.config)):
+            field = families.ADAPTERS[self.family.name].gate_norm
+            return (f"{self.family.name}'s Mamba-2 mixers run no gated norm with this config ({field} is false): "
+                    f"a prompt's output is not gated, a decode step's is inside its kernel")
         if value == "output" and self.family.block_output != "tensor":
             return (f"{self.family.name}'s blocks return a {self.family.block_output} (the residual streams and "
                     f"more), not one tensor: read attention_output, or a later block's input")

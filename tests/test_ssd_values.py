@@ -517,3 +517,85 @@ def test_check_and_explain_name_the_blocks_of_every_family(name: str) -> None:
             deltalang.check("read L[attention].output", spec, prompt="abcdef")
     for i in mlp:
         assert "an MLP block" in str(spec.unavailable(i, "states")) and spec.unavailable(i, "output") is None
+
+
+@contextmanager
+def _gates(hf: Any, seen: dict[int, torch.Tensor], scale: dict[int, float] | None = None) -> Iterator[None]:
+    """Inside the block, each Mamba-2 mixer's gated norm `norm(y, gate)` records its gate (scaled where asked)."""
+    def hook(i: int) -> Any:
+        def pre(_m: Any, args: tuple) -> tuple:
+            seen[i] = args[1].clone()
+            return (args[0], args[1] * scale[i], *args[2:]) if scale and i in scale else args
+        return pre
+    hooks = [m.norm.register_forward_pre_hook(hook(i)) for i, m in testing_ssd.ssd_mixers(hf)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_the_gate_is_what_the_gated_norm_receives_and_a_written_one_is_what_it_runs_on(name: str) -> None:
+    """`gate` (z) against transformers' own gated norm: read on every Mamba-2 block (through a program too),
+    written (doubled) on one, in a left-padded invoke beside a longer prompt; falcon_h1 (no gated norm with its
+    default config: `mamba_rms_norm` false) refuses it in one line."""
+    from deltalang.errors import DeltaError
+
+    model, hf = _models(name)
+    layers = _ssm(hf)
+    if name == "falcon_h1":
+        with pytest.raises(DeltaError, match="run no gated norm with this config") as err:
+            deltalang.check("read L0.gate", model.spec, prompt="abc")
+        assert "mamba_rms_norm" in str(err.value)
+        return
+    ids, layer = _ids(), layers[-1]
+    truth: dict[int, torch.Tensor] = {}
+    with _gates(hf, truth):
+        _forward(hf, ids)
+    got: dict[int, Any] = {}
+    with torch.no_grad(), model.trace(ids):
+        for i in layers:
+            got[i] = model.layers[i].linear_attn.gate.save()
+    for i in layers:
+        assert got[i].shape == (1, ids.shape[1], model.spec.dims["inner"])
+        _close(got[i], truth[i])
+    text = f'prompt p = "The tower of"\ntrace a on p {{\n    read L{layer}.gate\n}}\n'
+    short = model.tokenizer("The tower of", return_tensors="pt")["input_ids"]
+    with _gates(hf, truth):
+        _forward(hf, short)
+    _close(deltalang.run(text, model=model)[f"a.L{layer}.gate"], truth[layer])
+    # a left-padded invoke: its own prompt's gate, and a write that is its own
+    with torch.no_grad(), model.trace() as tr:
+        with tr.invoke("The Eiffel Tower is in"):
+            model.logits.save()
+        with tr.invoke("The tower of"):
+            read = model.layers[layer].linear_attn.gate.save()
+            model.layers[layer].linear_attn.gate = read * 2
+            written = model.logits.save()
+    _close(read, truth[layer])
+    with _gates(hf, {}, {layer: 2.0}):
+        want = _forward(hf, short).logits
+    pad = written.shape[1] - short.shape[1]
+    assert pad > 0
+    _close(written[:, pad:], want, tol=1e-3)
+    clean = _forward(hf, short).logits
+    assert float((written[:, pad:] - clean).abs().max()) > 10 * float((written[:, pad:] - want).abs().max())
+
+
+@pytest.mark.parametrize("name", [n for n in SERVED if n != "falcon_h1"])
+def test_a_decode_steps_gate_is_what_its_gated_norm_receives(name: str) -> None:
+    """Under generate, step 1's `gate` is what transformers' gated norm receives on that decode step."""
+    model, hf = _models(name)
+    ids, layer = _ids(8), _ssm(hf)[0]
+    with torch.no_grad(), model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+        for step in tracer.iter[1]:
+            got = model.layers[layer].linear_attn.gate.save()
+    logits = _forward(hf, ids).logits[:, -1].clone()
+    logits[:, hf.config.eos_token_id] = -float("inf")
+    cache = _cache_after(hf, ids, ids.shape[1] - 1)
+    truth: dict[int, torch.Tensor] = {}
+    with _gates(hf, truth):
+        _forward(hf, logits.argmax(-1, keepdim=True), cache, start=ids.shape[1])
+    assert got.shape == truth[layer].shape == (1, 1, model.spec.dims["inner"])
+    _close(got, truth[layer])

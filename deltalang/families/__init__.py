@@ -110,13 +110,17 @@ class Adapter:
     streams: str | None = None  # config field: residual streams a block's output carries side by side, flattened
     mixer_attr: str | None = None  # the block attribute holding the mixer, where `__init__` builds it indirectly
     unserved: str = ""  # why deltalang cannot serve the family yet (it is then refused in one line)
+    gate_norm: str | None = None  # config field: false where a Mamba-2 mixer runs no gated norm (the gate unserved)
 
 
 # Every dim of the families of transformers 5.24 is read from the mechanism's fields; qwen4_exp's blocks
 # carry `hc_count` residual streams flattened into one `[b, s, hc_count * hidden]` tensor; nemotron_h's block
 # builds its mixer as `self.mixer = MIXER_TYPES[block_type](...)`, which names no class. (zamba2's nested mixer
 # and mamba2's `backbone` are read from the code: `code.mixer_paths`, the model's `base_model_prefix`.)
-ADAPTERS: dict[str, Adapter] = {"qwen4_exp": Adapter(streams="hc_count"), "nemotron_h": Adapter(mixer_attr="mixer")}
+# falcon_h1 runs its gated norm only where `mamba_rms_norm` is set (false by default: the gate then reaches only
+# a decode step's kernel, a prompt's output is not gated).
+ADAPTERS: dict[str, Adapter] = {"qwen4_exp": Adapter(streams="hc_count"), "nemotron_h": Adapter(mixer_attr="mixer"),
+                                "falcon_h1": Adapter(gate_norm="mamba_rms_norm")}
 
 
 @attrs.frozen
@@ -186,6 +190,11 @@ class Family:
         except AttributeError as e:
             raise UnservedFamily(f"{self.name}: its config has no {e.name!r} field "
                                  f"(a {self.mechanism} mixer's dims are read from it)") from None
+
+    def gated_norm(self, config: Any) -> bool:
+        """Whether its Mamba-2 mixers run the gated norm `norm(y, gate)` (falcon_h1: where `mamba_rms_norm`)."""
+        field = ADAPTERS.get(self.name, Adapter()).gate_norm
+        return field is None or bool(getattr(config, field, True))
 
     def stream_width(self, config: Any) -> int:
         """The width of a block's output (the residual stream): hidden_size, times its streams."""
