@@ -599,3 +599,29 @@ def test_a_decode_steps_gate_is_what_its_gated_norm_receives(name: str) -> None:
         _forward(hf, logits.argmax(-1, keepdim=True), cache, start=ids.shape[1])
     assert got.shape == truth[layer].shape == (1, 1, model.spec.dims["inner"])
     _close(got, truth[layer])
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_info_and_support_name_every_block_of_every_family(name: str) -> None:
+    """`deltalang info` marks each block by what transformers' model holds there (a Mamba-2 mixer, found by
+    `testing_ssd.ssd_mixers`; attention beside it in a `hybrid` block; an MLP only), and `support()` serves every
+    Mamba-2 value on every Mamba-2 block (zamba2's nested mixers, mamba2's `backbone`)."""
+    from deltalang import info
+    from deltalang.model import decoder_layers
+
+    model, hf = _models(name)
+    ssm = _ssm(hf)
+    blocks = decoder_layers(hf)
+    attends = [i for i, b in enumerate(blocks)
+               if any(type(m).__name__.endswith("Attention") for m in b.modules())]
+    rows = [line for line in info.format_info(model.spec).splitlines() if line.startswith("│ L")]
+    assert len(rows) == len(blocks)
+    for i, row in enumerate(rows):
+        kind = row.split("│")[2].strip()
+        if i in ssm:
+            assert kind == ("Mamba-2 + attention" if i in attends else "Mamba-2"), (i, kind)
+        else:
+            assert kind == ("attention" if i in attends else "MLP"), (i, kind)
+    table = model.support()
+    for value in ("states", "state_after", "conv_window_after", "step_sizes", "head_outputs"):
+        assert [i for i, st in enumerate(table[f"linear_attn.{value}"]) if st == info.AVAILABLE] == ssm
