@@ -625,3 +625,36 @@ def test_info_and_support_name_every_block_of_every_family(name: str) -> None:
     table = model.support()
     for value in ("states", "state_after", "conv_window_after", "step_sizes", "head_outputs"):
         assert [i for i, st in enumerate(table[f"linear_attn.{value}"]) if st == info.AVAILABLE] == ssm
+
+
+def test_falcon_h1_with_its_gated_norm_serves_the_gate() -> None:
+    """falcon_h1 with `mamba_rms_norm` set runs the gated norm on a prompt: its `gate` is served there, against a
+    plain copy of the same model (read, and the logits with the gate doubled)."""
+    import copy
+
+    from deltalang import testing
+    from deltalang.model import wrap_model
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = testing_ssd.tiny_ssd_config("falcon_h1")
+    cfg.mamba_rms_norm = True
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    testing_ssd._enlarge_random_weights(hf)
+    truth_model = copy.deepcopy(hf)
+    model = wrap_model(hf, testing.byte_tokenizer())
+    layer = model.spec.ssm_layers()[0]
+    assert model.spec.unavailable(layer, "gate") is None
+    ids = _ids()
+    with torch.no_grad(), model.trace(ids):
+        got = model.layers[layer].linear_attn.gate.save()
+        model.layers[layer].linear_attn.gate = got * 2
+        written = model.logits.save()
+    seen: dict[int, torch.Tensor] = {}
+    with _gates(truth_model, seen, {layer: 2.0}):
+        want = _forward(truth_model, ids).logits
+    _close(got, seen[layer])
+    _close(written, want, tol=1e-3)
+    clean = _forward(truth_model, ids).logits
+    assert float((written - clean).abs().max()) > 10 * float((written - want).abs().max())
