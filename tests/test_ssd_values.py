@@ -632,10 +632,10 @@ def test_falcon_h1_with_its_gated_norm_serves_the_gate() -> None:
     plain copy of the same model (read, and the logits with the gate doubled)."""
     import copy
 
+    from transformers import AutoModelForCausalLM
+
     from deltalang import testing
     from deltalang.model import wrap_model
-
-    from transformers import AutoModelForCausalLM
 
     cfg = testing_ssd.tiny_ssd_config("falcon_h1")
     cfg.mamba_rms_norm = True
