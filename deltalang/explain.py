@@ -26,10 +26,19 @@ from .spec import ModelSpec
 
 
 def describe_model(spec: ModelSpec) -> str:
-    """`NAME: qwen3_5, 4 blocks (DeltaNet L0 L1 L2; attention L3)`."""
-    lin = " ".join(f"L{i}" for i in spec.linear_layers()) or "none"
-    att = " ".join(f"L{i}" for i in spec.attention_layers()) or "none"
-    return f"{spec.model_id}: {spec.family.name}, {spec.num_layers} blocks (DeltaNet {lin}; attention {att})"
+    """`NAME: qwen3_5, 4 blocks (DeltaNet L0 L1 L2; attention L3)`; a Mamba-2 model names its Mamba-2 blocks
+    (`Mamba-2 L0 L1 L2, L1 L2 with attention too; attention none`), and blocks with neither (`MLP L1`)."""
+    def blocks(layers: list[int]) -> str:
+        return " ".join(f"L{i}" for i in layers) or "none"
+    if spec.family.block_kind == "ssm":
+        both = [i for i in spec.ssm_layers() if spec.attention_too(i)]
+        rec = f"Mamba-2 {blocks(spec.ssm_layers())}" + (f", {blocks(both)} with attention too" if both else "")
+    else:
+        rec = f"DeltaNet {blocks(spec.linear_layers())}"
+    mlp = spec.layers_of("mlp")
+    rest = f"; MLP {blocks(mlp)}" if mlp else ""
+    return f"{spec.model_id}: {spec.family.name}, {spec.num_layers} blocks ({rec}; attention " \
+           f"{blocks(spec.attention_layers())}{rest})"
 
 
 def _token_table(tokens: tuple[str, ...], width: int = 96) -> list[str]:

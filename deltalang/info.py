@@ -132,11 +132,13 @@ def format_info(spec: ModelSpec) -> str:
         head.add_column(col)
     for i in range(spec.num_layers):
         if spec.kind(i) in values.RECURRENT:
-            kind = "Mamba-2" if spec.kind(i) == values.SSM else "DeltaNet"
+            kind = "DeltaNet" if spec.kind(i) == values.DELTANET else (
+                "Mamba-2 + attention" if spec.attention_too(i) else "Mamba-2")
             head.add_row(f"L{i}", kind, spec.family.name, str(d["heads"]), str(d["key_dim"]),
                          str(d["value_dim"]), str(d["conv_width"]), prompt, decode)
         else:
-            head.add_row(f"L{i}", "attention", spec.family.name, "", "", "", "", "", "")
+            head.add_row(f"L{i}", "MLP" if spec.kind(i) == values.MLP else "attention", spec.family.name,
+                         "", "", "", "", "", "")
     vals = Table(title="values per block (✓ available)")
     vals.add_column("value")
     for i in range(spec.num_layers):

@@ -5,7 +5,8 @@
 `.layers[i].linear_attn` (every family's mixer under one name, its values from `mixer.DeltaNetEnvoy`),
 `.logits` and `.next_token_probs` inside a trace, `.family`, `.spec`, `.support()`. A model may be wrapped
 any number of times and every wrapper works; the kernel dispatchers are installed once per family and
-process. `decoder(hf)` / `decoder_layers(hf)` are the one place that finds the decoder stack and its blocks.
+process. `decoder(hf)` / `decoder_layers(hf)` are the one place that finds the decoder stack and its blocks (under
+the model's `base_model_prefix`: mamba2's `backbone`); `Family.mixer_of` finds a block's mixer (zamba2: nested).
 """
 
 from __future__ import annotations
@@ -191,7 +192,10 @@ def _wrap(hf: torch.nn.Module, tokenizer: Any, spec: ModelSpec) -> DeltaModel:
     tokenizer.padding_side = "left"
     hf.eval()
     sites = _attach_sites(hf, spec)
-    rename = {fam.mixer_type: "linear_attn"} if fam.mixer_attr != "linear_attn" else None
+    # every block's mixer as `linear_attn`: a block's own child by its class, a nested one by its path
+    rename: dict[Any, str] | None = {fam.mixer_type: "linear_attn"} if fam.mixer_attr != "linear_attn" else None
+    for path in fam.mixer_paths[1:]:
+        rename = (rename or {}) | {path: "linear_attn"}
     with _pipeline_safe(hf), _quiet_pipeline():
         model = DeltaModel(hf, tokenizer=tokenizer, envoys={fam.mixer_type: DeltaNetEnvoy}, rename=rename)
     model.spec = attrs.evolve(spec, tokenizer=tokenizer)
@@ -243,11 +247,16 @@ def _pipeline_safe(hf: torch.nn.Module) -> Iterator[None]:
 
 
 def decoder(hf: Any) -> Any:
-    """The decoder stack (`.layers`, `.norm`, `.config`) of a transformers model or its envoy.
+    """The decoder stack (`.layers`, `.config`) of a transformers model or its envoy.
 
-    A causal LM keeps it at `.model`, a multimodal one at `.model.language_model`.
+    A causal LM keeps it under its `base_model_prefix` (`.model`; mamba2's `.backbone`), a multimodal one at
+    `.model.language_model`.
     """
-    inner = getattr(hf, "model", hf)
+    module = getattr(hf, "_module", hf)  # an envoy's model
+    prefix = getattr(module, "base_model_prefix", "") or "model"
+    inner = getattr(hf, prefix, None) if hasattr(module, prefix) else None
+    if inner is None:
+        inner = getattr(hf, "model", hf)
     return getattr(inner, "language_model", inner)
 
 
@@ -261,14 +270,13 @@ def decoder_layers(hf: Any) -> Any:
 
 def _attach_sites(hf: torch.nn.Module, spec: ModelSpec) -> dict[int, MixerSite]:
     sites: dict[int, MixerSite] = {}
-    mixer_type = spec.family.mixer_type
     for i, block in enumerate(decoder_layers(hf)):
         if spec.kind(i) not in values.RECURRENT:  # a delta-rule or Mamba-2 block
             continue
-        mixer = getattr(block, spec.family.mixer_attr, None)
-        if not isinstance(mixer, mixer_type):
+        mixer = spec.family.mixer_of(block)
+        if mixer is None:
             raise DeltaModelError(
-                f"block {i} is a linear_attention block but holds no {spec.family.mixer_class}")
+                f"block {i} is a {spec.layer_types[i]} block but holds no {spec.family.mixer_class}")
         site = getattr(mixer, "_deltalang_site", None)
         if site is None:
             site = MixerSite(mixer, spec.family, i, spec.dims)

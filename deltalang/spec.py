@@ -34,8 +34,10 @@ class ModelSpec:
 
     def kind(self, layer: int) -> str:
         """`deltanet` (a delta-rule mixer), `ssm` (a Mamba-2 one: the family's mechanism says which; a
-        granitemoehybrid `linear_attention` block is Mamba-2) or `attention` (no recurrent mixer)."""
-        return self.family.layer_kind(self.layer_types[layer]) or values.ATTENTION
+        granitemoehybrid `linear_attention` block is Mamba-2), `attention` (no recurrent mixer, an attention:
+        `full_attention`, `sliding_attention`, ...) or `mlp` (neither: nemotron_h's `mlp` and `moe` blocks)."""
+        layer_type = self.layer_types[layer]
+        return self.family.layer_kind(layer_type) or (values.ATTENTION if "attention" in layer_type else values.MLP)
 
     def linear_layers(self) -> list[int]:
         """The delta-rule blocks (`L[linear]`): never a Mamba-2 block, whatever its config calls it."""
@@ -50,7 +52,13 @@ class ModelSpec:
         return [i for i in range(self.num_layers) if self.kind(i) in values.RECURRENT]
 
     def attention_layers(self) -> list[int]:
+        """The attention blocks (`L[attention]`): never a block with neither a mixer nor attention."""
         return self.layers_of(values.ATTENTION)
+
+    def attention_too(self, layer: int) -> bool:
+        """Whether a Mamba-2 block also runs attention (falcon_h1's and zamba2's `hybrid` blocks; zamba2's
+        attention is one block shared by all of them)."""
+        return self.kind(layer) == values.SSM and self.layer_types[layer] == "hybrid"
 
     def layers_of(self, kind: str) -> list[int]:
         """The blocks of a selector's kind: `linear` (or `deltanet`), `ssm`, `attention`."""
@@ -72,7 +80,12 @@ class ModelSpec:
                 return f"a value of Mamba-2 blocks only, not of a DeltaNet block ({self.layer_types[layer]})"
             ssm = values.DELTANET not in v.kinds or self.family.block_kind == values.SSM
             mixer = "Mamba-2" if ssm and values.SSM in v.kinds else "DeltaNet"
-            return f"no {mixer} mixer on this block ({self.layer_types[layer]})"
+            what = ": an MLP block, no attention either" if kind == values.MLP else ""
+            return f"no {mixer} mixer on this block ({self.layer_types[layer]}{what})"
+        if value == "gate" and not self.family.gated_norm(text_config(self.config)):
+            field = families.ADAPTERS[self.family.name].gate_norm
+            return (f"{self.family.name}'s Mamba-2 mixers run no gated norm with this config ({field} is false): "
+                    f"a prompt's output is not gated, a decode step's is inside its kernel")
         if value == "output" and self.family.block_output != "tensor":
             return (f"{self.family.name}'s blocks return a {self.family.block_output} (the residual streams and "
                     f"more), not one tensor: read attention_output, or a later block's input")

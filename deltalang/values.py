@@ -15,6 +15,7 @@ import attrs
 DELTANET = "deltanet"
 SSM = "ssm"  # a Mamba-2 (SSD) block: `L[ssm]`
 ATTENTION = "attention"
+MLP = "mlp"  # a block with neither a recurrent mixer nor attention (nemotron_h's `mlp` and `moe` blocks)
 RECURRENT = (DELTANET, SSM)
 
 
@@ -99,10 +100,15 @@ CATALOGUE: dict[str, Value] = {
         Value("state_output", "[b, heads, key_dim, value_dim]",
               "The state after the call's last token: [b, heads, key_dim, value_dim].", kinds=(DELTANET, SSM),
               writable=True, order=60, ssm_shape="[b, heads, head_dim, d_state]"),
+        # Mamba-2's gate reaches the gated norm, not the scan call: served where the norm receives it
+        Value("gate", "[b, s, inner]",
+              "z: the gate of the gated norm, which multiplies the head outputs (heads x head_dim, flattened) by "
+              "silu(z) before the norm and the output projection: [b, s, heads * head_dim].", kinds=(SSM,),
+              writable=True, order=70, kernel=False, per_token=True),
         Value("attention_output", "[b, s, hidden]", "What the mixer adds to the residual stream: [b, s, hidden].",
               kinds=(DELTANET, SSM), writable=True, order=80, kernel=False, per_token=True),
         Value("output", "[b, s, hidden]", "The block's output, the residual stream after it: [b, s, hidden].",
-              kinds=(DELTANET, SSM, ATTENTION), writable=True, order=90, kernel=False, per_token=True),
+              kinds=(DELTANET, SSM, ATTENTION, MLP), writable=True, order=90, kernel=False, per_token=True),
     )
 }
 

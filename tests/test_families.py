@@ -12,6 +12,7 @@ import importlib
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,8 +34,29 @@ def test_every_module_wrapping_a_delta_rule_kernel_is_found() -> None:
     expected = {p.parent.name for p in root.glob("*/modeling_*.py") if wrapped.search(p.read_text())}
     assert expected >= {"qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear"}
     assert set(FAMILY_NAMES) == expected
-    # only the Mamba-2 families deltalang does not reach yet (families.ADAPTERS: unserved) are refused
-    assert {line.split(":")[0] for line in families.unserved()} == {"zamba2", "mamba2"}
+    assert families.unserved() == ()  # every module wrapping a known mechanism's kernel is served
+
+
+def _tree(name: str) -> Any:
+    import ast
+
+    return ast.parse(Path(importlib.import_module(f"transformers.models.{name}.modeling_{name}").__file__).read_text())
+
+
+def test_the_mixer_paths_and_block_outputs_are_read_from_the_code() -> None:
+    """zamba2's hybrid blocks hold the mixer one level down (`mamba_decoder`, a parameter annotated with the class
+    holding it); granitemoehybrid's block is annotated `-> tuple` but the model's forward takes a tensor from it
+    (`hidden_states = decoder_layer(...)`): the call site decides; falcon_h1's `layer_outputs[0]` is a tuple."""
+    from deltalang.families import code
+
+    assert families.by_name("zamba2").mixer_paths == ("mamba", "mamba_decoder.mamba")
+    assert families.by_name("mamba2").mixer_paths == ("mixer",)
+    granite = _tree("granitemoehybrid")
+    assert any(code.returns_tuple(granite, c) for c in code.holders(granite, "GraniteMoeHybridMambaLayer"))
+    assert code.block_output(granite) == "tensor" == families.by_name("granitemoehybrid").block_output
+    for name, want in (("falcon_h1", "tuple"), ("bamba", "tuple"), ("glm5_next", "tuple"), ("qwen3_5", "tensor"),
+                       ("zamba2", "tensor"), ("mamba2", "tensor"), ("nemotron_h", "tensor")):
+        assert code.block_output(_tree(name)) == want == families.by_name(name).block_output, name
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -22,7 +22,7 @@ import torch
 import deltalang
 from deltalang import compat, ssd, testing_ssd
 
-SERVED = ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h")  # zamba2, mamba2: not yet (see docs/mamba2.md)
+SERVED = testing_ssd.MAMBA2_FAMILY_NAMES  # all six: zamba2's hybrid blocks nest the mixer, mamba2 has no attention
 PROMPT_LEN = 13  # crosses the tiny configs' chunk of 8
 
 
@@ -220,15 +220,17 @@ def test_ssm_and_linear_selectors_on_granitemoehybrid() -> None:
         assert words in str(err.value)
 
 
-def test_a_program_writes_every_ssm_block() -> None:
+@pytest.mark.parametrize("name", SERVED)
+def test_a_program_writes_every_ssm_block(name: str) -> None:
     """`write L[ssm].state_after(t) = zeros` through the language equals transformers with every Mamba-2
-    block's state after t replaced by zeros."""
-    model, hf = _models("bamba")
+    block's state after t replaced by zeros (zamba2: its hybrid blocks' nested mixers too)."""
+    model, hf = _models(name)
     text = 'prompt p = "The tower of"\ntrace w on p {\n    write L[ssm].state_after(4) = zeros\n    read logits\n}\n'
     res = deltalang.run(text, model=model)
     ids = model.tokenizer("The tower of", return_tensors="pt")["input_ids"]
     shape = (1, *[model.spec.dims[k] for k in ("heads", "head_dim", "d_state")])
-    want = _written_logits("bamba", hf, ids, {i: torch.zeros(shape) for i in _ssm(hf)}, 4)
+    assert model.spec.ssm_layers() == _ssm(hf)
+    want = _written_logits(name, hf, ids, {i: torch.zeros(shape) for i in _ssm(hf)}, 4)
     _close(res["w.logits"][:, 4:], want, tol=1e-3)
 
 
@@ -283,7 +285,7 @@ def test_decode_steps_serve_the_cached_state(name: str) -> None:
     _close(zeroed, compat.output_cache(step).get_recurrent_state(layer))
 
 
-@pytest.mark.parametrize("name", ("bamba", "granitemoehybrid"))
+@pytest.mark.parametrize("name", SERVED)
 def test_left_padded_invokes_are_each_their_own_prompt(name: str) -> None:
     """Two prompts of different lengths in one trace (the shorter left-padded): each invoke's reads are its own
     prompt's cache, and a write in one invoke is that prompt's write alone."""
@@ -346,7 +348,7 @@ def test_info_names_the_mamba2_blocks_and_what_serves_them() -> None:
     assert info.status(spec, 0, "step_sizes") == info.AVAILABLE and info.status(spec, 0, "betas") != info.AVAILABLE
 
 
-@pytest.mark.parametrize("name", ("bamba", "falcon_h1"))
+@pytest.mark.parametrize("name", SERVED)
 def test_a_decode_step_written_after_its_token(name: str) -> None:
     """`state_after(-1)` written at a decode step: that step's token reads it (falcon_h1: gated by z in the
     kernel call), and the cache carries it on; against transformers' step with its state update replaced."""
@@ -404,9 +406,10 @@ def _scan_patched(name: str, hf: Any, layer: int, value: str) -> Iterator[None]:
             h.remove()
 
 
+@pytest.mark.parametrize("name", SERVED)
 @pytest.mark.parametrize("value", ["step_sizes", "decay_rates", "input_matrices", "head_outputs"])
-def test_a_written_scan_input_or_output_is_what_the_scan_runs_on(value: str) -> None:
-    model, hf = _models("bamba")
+def test_a_written_scan_input_or_output_is_what_the_scan_runs_on(value: str, name: str) -> None:
+    model, hf = _models(name)
     ids = _ids()
     layer = _ssm(hf)[0]
     saved: dict[str, Any] = {}
@@ -423,7 +426,7 @@ def test_a_written_scan_input_or_output_is_what_the_scan_runs_on(value: str) -> 
         else:
             saved["after"] = mixer.state_after(6).save()
         got = model.logits.save()
-    with _scan_patched("bamba", hf, layer, value):
+    with _scan_patched(name, hf, layer, value):
         want = _forward(hf, ids).logits
         state = _cache_after(hf, ids, 6).get_recurrent_state(layer)
     _close(got, want, tol=1e-4)
@@ -433,10 +436,225 @@ def test_a_written_scan_input_or_output_is_what_the_scan_runs_on(value: str) -> 
     assert float((got - clean).abs().max()) > 10 * float((got - want).abs().max())
 
 
-@pytest.mark.parametrize("name", ("zamba2", "mamba2"))
-def test_the_mamba2_families_not_served_yet_are_refused_in_one_line(name: str) -> None:
-    from deltalang.errors import DeltaModelError
+@pytest.mark.parametrize("name", SERVED)
+def test_a_blocks_output_is_what_the_block_returns_or_refused_in_one_line(name: str) -> None:
+    """Each family's blocks return what `Family.block_output` says (transformers' own forward, hooked); `output`
+    is then served on every block, equal to that tensor (granitemoehybrid's blocks are annotated `-> tuple` but
+    return a tensor), or refused in one line where the block returns a tuple (bamba, falcon_h1)."""
+    from deltalang.model import decoder_layers
 
-    with pytest.raises(DeltaModelError) as err:
-        deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint(name))
-    assert "cannot serve" in str(err.value) and "does not reach yet" in str(err.value) and "\n" not in str(err.value)
+    model, hf = _models(name)
+    ids = _ids()
+    seen: dict[int, Any] = {}
+    hooks = [b.register_forward_hook(lambda _m, _a, out, i=i: seen.__setitem__(i, out))
+             for i, b in enumerate(decoder_layers(hf))]
+    try:
+        _forward(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(seen) == model.spec.num_layers
+    tensor = model.family.block_output == "tensor"
+    assert all(isinstance(out, torch.Tensor) == tensor for out in seen.values()), model.family.block_output
+    reads = "".join(f"    read L{i}.output\n" for i in range(model.spec.num_layers))
+    src = f'prompt p = "The tower of"\ntrace t on p {{\n{reads}}}\n'
+    if not tensor:
+        with pytest.raises(deltalang.DeltaError, match=r"<program>:\d+:.*error: .*return a tuple") as err:
+            deltalang.check(src, model.spec)
+        assert "attention_output" in str(err.value)
+        return
+    got: dict[int, Any] = {}
+    with torch.no_grad(), model.trace(ids):
+        for i in range(model.spec.num_layers):
+            got[i] = model.layers[i].output.save()
+    for i, out in got.items():
+        _close(out, seen[i])
+
+
+@pytest.mark.parametrize("name", ("zamba2", "falcon_h1"))
+def test_a_write_in_every_hybrid_block_is_what_later_tokens_continue_from(name: str) -> None:
+    """Blocks running attention beside (falcon_h1) or before (zamba2: one shared attention block) their
+    Mamba-2 mixer: states written in all of them at once, against transformers with those states replaced."""
+    model, hf = _models(name)
+    ids, t = _ids(), 5
+    hybrid = [i for i in _ssm(hf) if model.spec.attention_too(i)]
+    assert hybrid and hybrid == [i for i, k in enumerate(model.spec.layer_types) if k == "hybrid"]
+    donors = {i: _cache_after(hf, _ids(seed=7 + i), 9).get_recurrent_state(i).clone() for i in hybrid}
+    with torch.no_grad(), model.trace(ids):
+        for i in hybrid:
+            model.layers[i].linear_attn.set_state_after(t, donors[i])
+        got = model.logits.save()
+    want = _written_logits(name, hf, ids, donors, t)
+    _close(got[:, t:], want, tol=1e-3)
+    clean = _forward(hf, ids).logits
+    if name == "zamba2":  # falcon_h1's tiny Mamba-2 blocks barely move its logits (see above)
+        assert float((got[:, t + 1:] - clean[:, t + 1:]).abs().max()) > 10 * float((got[:, t:] - want).abs().max())
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_check_and_explain_name_the_blocks_of_every_family(name: str) -> None:
+    """`deltalang check`'s header names the Mamba-2 blocks (never "DeltaNet none"), the attention blocks and those
+    with neither (nemotron_h's `mlp`); `L[attention]` selects attention blocks only, `L[ssm]` the Mamba-2 ones."""
+    from deltalang.errors import DeltaError
+    from deltalang.explain import format_resolved
+
+    spec = deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint(name))
+    kinds = list(spec.config.layer_types)
+    attention = [i for i, k in enumerate(kinds) if k.endswith("attention") and k != "linear_attention"]
+    mlp = [i for i, k in enumerate(kinds) if k in ("mlp", "moe")]
+    ssm = _ssm(_models(name)[1])
+    assert spec.ssm_layers() == ssm and spec.attention_layers() == attention and spec.layers_of("mlp") == mlp
+    header = format_resolved(deltalang.check("read L[ssm].state_after(2)", spec, prompt="abcdef")).splitlines()[0]
+    assert "DeltaNet" not in header and ("Mamba-2 " + " ".join(f"L{i}" for i in ssm)) in header
+    assert f"attention {' '.join(f'L{i}' for i in attention) or 'none'}" in header
+    assert ("MLP L" in header) == bool(mlp)
+    if attention:
+        r = deltalang.check("read L[attention].output", spec, prompt="abcdef") if spec.family.block_output == \
+            "tensor" else None
+        assert r is None or sorted({op.layer for op in r.run("main").ops}) == attention
+    else:
+        with pytest.raises(DeltaError, match="no attention blocks"):
+            deltalang.check("read L[attention].output", spec, prompt="abcdef")
+    for i in mlp:
+        assert "an MLP block" in str(spec.unavailable(i, "states")) and spec.unavailable(i, "output") is None
+
+
+@contextmanager
+def _gates(hf: Any, seen: dict[int, torch.Tensor], scale: dict[int, float] | None = None) -> Iterator[None]:
+    """Inside the block, each Mamba-2 mixer's gated norm `norm(y, gate)` records its gate (scaled where asked)."""
+    def hook(i: int) -> Any:
+        def pre(_m: Any, args: tuple) -> tuple:
+            seen[i] = args[1].clone()
+            return (args[0], args[1] * scale[i], *args[2:]) if scale and i in scale else args
+        return pre
+    hooks = [m.norm.register_forward_pre_hook(hook(i)) for i, m in testing_ssd.ssd_mixers(hf)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_the_gate_is_what_the_gated_norm_receives_and_a_written_one_is_what_it_runs_on(name: str) -> None:
+    """`gate` (z) against transformers' own gated norm: read on every Mamba-2 block (through a program too),
+    written (doubled) on one, in a left-padded invoke beside a longer prompt; falcon_h1 (no gated norm with its
+    default config: `mamba_rms_norm` false) refuses it in one line."""
+    from deltalang.errors import DeltaError
+
+    model, hf = _models(name)
+    layers = _ssm(hf)
+    if name == "falcon_h1":
+        with pytest.raises(DeltaError, match="run no gated norm with this config") as err:
+            deltalang.check("read L0.gate", model.spec, prompt="abc")
+        assert "mamba_rms_norm" in str(err.value)
+        return
+    ids, layer = _ids(), layers[-1]
+    truth: dict[int, torch.Tensor] = {}
+    with _gates(hf, truth):
+        _forward(hf, ids)
+    got: dict[int, Any] = {}
+    with torch.no_grad(), model.trace(ids):
+        for i in layers:
+            got[i] = model.layers[i].linear_attn.gate.save()
+    for i in layers:
+        assert got[i].shape == (1, ids.shape[1], model.spec.dims["inner"])
+        _close(got[i], truth[i])
+    text = f'prompt p = "The tower of"\ntrace a on p {{\n    read L{layer}.gate\n}}\n'
+    short = model.tokenizer("The tower of", return_tensors="pt")["input_ids"]
+    with _gates(hf, truth):
+        _forward(hf, short)
+    _close(deltalang.run(text, model=model)[f"a.L{layer}.gate"], truth[layer])
+    # a left-padded invoke: its own prompt's gate, and a write that is its own
+    with torch.no_grad(), model.trace() as tr:
+        with tr.invoke("The Eiffel Tower is in"):
+            model.logits.save()
+        with tr.invoke("The tower of"):
+            read = model.layers[layer].linear_attn.gate.save()
+            model.layers[layer].linear_attn.gate = read * 2
+            written = model.logits.save()
+    _close(read, truth[layer])
+    with _gates(hf, {}, {layer: 2.0}):
+        want = _forward(hf, short).logits
+    pad = written.shape[1] - short.shape[1]
+    assert pad > 0
+    _close(written[:, pad:], want, tol=1e-3)
+    clean = _forward(hf, short).logits
+    assert float((written[:, pad:] - clean).abs().max()) > 10 * float((written[:, pad:] - want).abs().max())
+
+
+@pytest.mark.parametrize("name", [n for n in SERVED if n != "falcon_h1"])
+def test_a_decode_steps_gate_is_what_its_gated_norm_receives(name: str) -> None:
+    """Under generate, step 1's `gate` is what transformers' gated norm receives on that decode step."""
+    model, hf = _models(name)
+    ids, layer = _ids(8), _ssm(hf)[0]
+    with torch.no_grad(), model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+        for step in tracer.iter[1]:
+            got = model.layers[layer].linear_attn.gate.save()
+    logits = _forward(hf, ids).logits[:, -1].clone()
+    logits[:, hf.config.eos_token_id] = -float("inf")
+    cache = _cache_after(hf, ids, ids.shape[1] - 1)
+    truth: dict[int, torch.Tensor] = {}
+    with _gates(hf, truth):
+        _forward(hf, logits.argmax(-1, keepdim=True), cache, start=ids.shape[1])
+    assert got.shape == truth[layer].shape == (1, 1, model.spec.dims["inner"])
+    _close(got, truth[layer])
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_info_and_support_name_every_block_of_every_family(name: str) -> None:
+    """`deltalang info` marks each block by what transformers' model holds there (a Mamba-2 mixer, found by
+    `testing_ssd.ssd_mixers`; attention beside it in a `hybrid` block; an MLP only), and `support()` serves every
+    Mamba-2 value on every Mamba-2 block (zamba2's nested mixers, mamba2's `backbone`)."""
+    from deltalang import info
+    from deltalang.model import decoder_layers
+
+    model, hf = _models(name)
+    ssm = _ssm(hf)
+    blocks = decoder_layers(hf)
+    attends = [i for i, b in enumerate(blocks)
+               if any(type(m).__name__.endswith("Attention") for m in b.modules())]
+    rows = [line for line in info.format_info(model.spec).splitlines() if line.startswith("│ L")]
+    assert len(rows) == len(blocks)
+    for i, row in enumerate(rows):
+        kind = row.split("│")[2].strip()
+        if i in ssm:
+            assert kind == ("Mamba-2 + attention" if i in attends else "Mamba-2"), (i, kind)
+        else:
+            assert kind == ("attention" if i in attends else "MLP"), (i, kind)
+    table = model.support()
+    for value in ("states", "state_after", "conv_window_after", "step_sizes", "head_outputs"):
+        assert [i for i, st in enumerate(table[f"linear_attn.{value}"]) if st == info.AVAILABLE] == ssm
+
+
+def test_falcon_h1_with_its_gated_norm_serves_the_gate() -> None:
+    """falcon_h1 with `mamba_rms_norm` set runs the gated norm on a prompt: its `gate` is served there, against a
+    plain copy of the same model (read, and the logits with the gate doubled)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from deltalang import testing
+    from deltalang.model import wrap_model
+
+    cfg = testing_ssd.tiny_ssd_config("falcon_h1")
+    cfg.mamba_rms_norm = True
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    testing_ssd._enlarge_random_weights(hf)
+    truth_model = copy.deepcopy(hf)
+    model = wrap_model(hf, testing.byte_tokenizer())
+    layer = model.spec.ssm_layers()[0]
+    assert model.spec.unavailable(layer, "gate") is None
+    ids = _ids()
+    with torch.no_grad(), model.trace(ids):
+        got = model.layers[layer].linear_attn.gate.save()
+        model.layers[layer].linear_attn.gate = got * 2
+        written = model.logits.save()
+    seen: dict[int, torch.Tensor] = {}
+    with _gates(truth_model, seen, {layer: 2.0}):
+        want = _forward(truth_model, ids).logits
+    _close(got, seen[layer])
+    _close(written, want, tol=1e-3)
+    clean = _forward(truth_model, ids).logits
+    assert float((written - clean).abs().max()) > 10 * float((written - want).abs().max())

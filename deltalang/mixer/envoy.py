@@ -8,7 +8,7 @@ can be written: a read parks the worker on `"{mixer path}.{value}"` until the
 model side (`MixerSite`) serves it; an assignment replaces it; a read-only value
 refuses a write. Queries and keys arrive with the key heads and are shown with
 the value heads the table promises; `attention_output` is the mixer's own
-`.output`. `states_as_run` and the recipes' `state` are Python-only.
+`.output`; a Mamba-2 mixer's `gate` is what its gated norm `norm(y, gate)` receives (`.norm.inputs`). `states_as_run` and the recipes' `state` are Python-only.
 """
 
 from __future__ import annotations
@@ -178,6 +178,8 @@ def _generated(name: str, doc: str, fn: Callable[..., Any]) -> Callable[..., Any
 def _value_property(v: values.Value) -> property:
     """A value without a position as a property: a read parks, an assignment replaces (or is refused)."""
     name = v.name
+    if name == "gate":
+        return property(_generated(name, v.doc, _gate), _set_gate)
     if not v.kernel:  # the mixer's own output: nnsight serves it (past a left-padded row's padding)
         def get(self: DeltaNetEnvoy) -> Any:
             out = self.output  # parks until the mixer has run: its padding is then this call's
@@ -205,6 +207,40 @@ def _value_property(v: values.Value) -> property:
         def write(self: DeltaNetEnvoy, value: Any) -> None:
             self._set(name, value)
     return property(_generated(name, v.doc, get), write if v.writable else _refusal(name))
+
+
+def _norm_inputs(self: DeltaNetEnvoy) -> tuple[Any, tuple, dict]:
+    """(the gate, the args and kwargs of the gated norm `norm(y, gate)` of a Mamba-2 mixer) when it runs."""
+    if self.site.family.block_kind != values.SSM:
+        raise DeltaValueError(f"L{self.site.layer}.gate is a value of Mamba-2 blocks only")
+    if isinstance(getattr(self.site.module, "norm", None), torch.nn.Identity):  # falcon_h1 without mamba_rms_norm
+        raise DeltaValueError(f"L{self.site.layer}.gate: this mixer runs no gated norm (its gate reaches a decode "
+                              f"step's kernel only)")
+    args, kwargs = self.norm.inputs
+    return (args[1] if len(args) > 1 else kwargs.get("gate")), tuple(args), dict(kwargs)
+
+
+def _gate(self: DeltaNetEnvoy) -> Any:
+    gate = _norm_inputs(self)[0]
+    pad = self._pad(_mediator("gate"))
+    return gate[:, pad:] if pad else gate
+
+
+def _set_gate(self: DeltaNetEnvoy, value: Any) -> None:
+    """Replace the gate the gated norm receives (a left-padded row's padding keeps its own)."""
+    gate, args, kwargs = _norm_inputs(self)
+    pad = self._pad(_mediator("gate"))
+    want = (gate.shape[0], gate.shape[1] - pad, *gate.shape[2:])
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) not in (want, want[1:]):
+        got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise DeltaValueError(f"L{self.site.layer}.gate: a write of shape {got} does not fit {list(want)}")
+    new = gate.clone()
+    new[:, pad:] = value.to(device=gate.device, dtype=gate.dtype)
+    if len(args) > 1:
+        args = (args[0], new, *args[2:])
+    else:
+        kwargs["gate"] = new
+    self.norm.inputs = (args, kwargs)
 
 
 def _refusal(name: str) -> Callable[..., None]:

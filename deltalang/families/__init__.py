@@ -2,10 +2,11 @@
 
 A family is a transformers modeling module whose mixer calls a kernel global that
 transformers wraps under a hub-kernel name of a known *mechanism* (`MECHANISMS`:
-the gated delta rule, KDA). `analyse(path, module_name)` reads one modeling file
-(text and syntax tree only, nothing imported) and returns its `Family` or None:
+the gated delta rule, KDA, Mamba-2). `analyse(path, module_name)` reads one modeling file
+(text and syntax tree only, nothing imported: `code`) and returns its `Family` or None:
 the four kernel globals from their decorators, the mixer class from the call in
-its `forward`, the attribute a block holds it under from the block's `__init__`,
+its `forward`, the attribute paths blocks hold it under from their `__init__`
+(`Family.mixer_of(block)` finds it), what a block returns from the model's own call of it,
 the model types from the configuration file beside it. `all_families()` does
 that for every module of the installed transformers; `for_config(config)` finds
 the family of a config (its own model type, a composite's text config, or a
@@ -26,6 +27,8 @@ from types import ModuleType
 from typing import Any, Callable
 
 import attrs
+
+from . import code
 
 # layer types whose blocks hold a recurrent mixer (a `linear_attention` block of a family that is not a
 # delta rule, granitemoehybrid's Mamba-2, is never analysed as one: its module calls no delta-rule kernel)
@@ -107,18 +110,17 @@ class Adapter:
     streams: str | None = None  # config field: residual streams a block's output carries side by side, flattened
     mixer_attr: str | None = None  # the block attribute holding the mixer, where `__init__` builds it indirectly
     unserved: str = ""  # why deltalang cannot serve the family yet (it is then refused in one line)
+    gate_norm: str | None = None  # config field: false where a Mamba-2 mixer runs no gated norm (the gate unserved)
 
 
-# Every dim of the nine families of transformers 5.24 is read from the mechanism's fields; qwen4_exp's blocks
+# Every dim of the families of transformers 5.24 is read from the mechanism's fields; qwen4_exp's blocks
 # carry `hc_count` residual streams flattened into one `[b, s, hc_count * hidden]` tensor; nemotron_h's block
-# builds its mixer as `self.mixer = MIXER_TYPES[block_type](...)`, which names no class.
-ADAPTERS: dict[str, Adapter] = {
-    "qwen4_exp": Adapter(streams="hc_count"), "nemotron_h": Adapter(mixer_attr="mixer"),
-    "zamba2": Adapter(unserved="its hybrid blocks hold the Mamba-2 mixer at mamba_decoder.mamba, which deltalang "
-                               "does not reach yet"),
-    "mamba2": Adapter(unserved="its blocks live at backbone.layers (no decoder stack at .model), which deltalang "
-                               "does not reach yet"),
-}
+# builds its mixer as `self.mixer = MIXER_TYPES[block_type](...)`, which names no class. (zamba2's nested mixer
+# and mamba2's `backbone` are read from the code: `code.mixer_paths`, the model's `base_model_prefix`.)
+# falcon_h1 runs its gated norm only where `mamba_rms_norm` is set (false by default: the gate then reaches only
+# a decode step's kernel, a prompt's output is not gated).
+ADAPTERS: dict[str, Adapter] = {"qwen4_exp": Adapter(streams="hc_count"), "nemotron_h": Adapter(mixer_attr="mixer"),
+                                "falcon_h1": Adapter(gate_norm="mamba_rms_norm")}
 
 
 @attrs.frozen
@@ -136,6 +138,20 @@ class Family:
     conv_update: str = "causal_conv1d_update"
     mechanism: str = "gated_delta_rule"
     block_output: str = "tensor"  # what a block's forward returns: "tensor", or "tuple" (glm5_next: + top-k)
+    # every attribute path a block holds the mixer under, `mixer_attr` first (zamba2's hybrid blocks: one level
+    # down, `mamba_decoder.mamba`)
+    mixer_paths: tuple[str, ...] = ()
+
+    def mixer_of(self, block: Any) -> Any:
+        """The mixer block `block` holds (a module, or an envoy's), or None: the first of `mixer_paths` there."""
+        for path in self.mixer_paths or (self.mixer_attr,):
+            found = block
+            for part in path.split("."):
+                found = getattr(found, part, None)
+            module = getattr(found, "_module", found)  # an envoy's module
+            if found is not None and isinstance(module, self.mixer_type):
+                return found
+        return None
 
     @property
     def per_channel_decay(self) -> bool:
@@ -175,6 +191,11 @@ class Family:
             raise UnservedFamily(f"{self.name}: its config has no {e.name!r} field "
                                  f"(a {self.mechanism} mixer's dims are read from it)") from None
 
+    def gated_norm(self, config: Any) -> bool:
+        """Whether its Mamba-2 mixers run the gated norm `norm(y, gate)` (falcon_h1: where `mamba_rms_norm`)."""
+        field = ADAPTERS.get(self.name, Adapter()).gate_norm
+        return field is None or bool(getattr(config, field, True))
+
     def stream_width(self, config: Any) -> int:
         """The width of a block's output (the residual stream): hidden_size, times its streams."""
         streams = ADAPTERS.get(self.name, Adapter()).streams
@@ -202,85 +223,6 @@ def mechanism(name: str) -> Mechanism:
     return next(m for m in MECHANISMS if m.name == name)
 
 
-# --------------------------------------------------------------------------
-# Reading a modeling module's code.
-# --------------------------------------------------------------------------
-
-
-def _hub_names(tree: ast.Module) -> dict[str, str]:
-    """hub-kernel name -> the module-level function transformers wraps under it."""
-    out: dict[str, str] = {}
-    for node in tree.body:
-        if not isinstance(node, ast.FunctionDef):
-            continue
-        for dec in node.decorator_list:
-            if (isinstance(dec, ast.Call) and _name(dec.func) == "use_kernel_func_from_hub_with_fallback"
-                    and dec.args and isinstance(dec.args[0], ast.Constant) and isinstance(dec.args[0].value, str)):
-                out[dec.args[0].value] = node.name
-    return out
-
-
-def _name(node: ast.AST) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return node.attr
-    return ""
-
-
-def _calls(node: ast.AST) -> set[str]:
-    return {_name(n.func) for n in ast.walk(node) if isinstance(n, ast.Call)}
-
-
-def _mixer_class(tree: ast.Module, kernel: str) -> str | None:
-    """The class whose `forward` calls `kernel`."""
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == "forward" and kernel in _calls(item):
-                    return node.name
-    return None
-
-
-def _mixer_attr(tree: ast.Module, mixer: str) -> tuple[str, str] | None:
-    """(the attribute a block's `__init__` assigns a `mixer` instance to (`self.linear_attn = ...`), what the
-    block's forward returns: "tuple" when annotated so, else "tensor")."""
-    for cls in tree.body:
-        if not isinstance(cls, ast.ClassDef):
-            continue
-        methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
-        init = methods.get("__init__")
-        for stmt in ast.walk(init) if init is not None else ():
-            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
-                    and isinstance(stmt.targets[0], ast.Attribute)
-                    and _name(stmt.targets[0].value) == "self" and mixer in _calls(stmt.value)):
-                forward = methods.get("forward")
-                returns = forward.returns if forward is not None else None
-                tuple_out = isinstance(returns, ast.Subscript) and _name(returns.value) == "tuple"
-                return stmt.targets[0].attr, "tuple" if tuple_out else "tensor"
-    return None
-
-
-def _model_types(config_path: Path) -> tuple[str, ...]:
-    """Every `model_type = "..."` of a configuration file's classes (the composite's and its text config's)."""
-    if not config_path.exists():
-        return ()
-    out = []
-    for node in ast.walk(ast.parse(config_path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ClassDef):
-            for stmt in node.body:
-                if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-                    target: ast.AST = stmt.targets[0]
-                elif isinstance(stmt, ast.AnnAssign):
-                    target = stmt.target
-                else:
-                    continue
-                value = stmt.value
-                if _name(target) == "model_type" and isinstance(value, ast.Constant) and isinstance(value.value, str):
-                    out.append(value.value)
-    return tuple(dict.fromkeys(out))
-
-
 def _quick_match(text: str) -> bool:
     return any(f'"{m.chunk_hub}"' in text for m in MECHANISMS)
 
@@ -297,7 +239,7 @@ def analyse(path: str | Path, module_name: str, name: str | None = None,
     if not _quick_match(text):
         return None
     tree = ast.parse(text)
-    hubs = _hub_names(tree)
+    hubs = code.hub_names(tree)
     mech = next((m for m in MECHANISMS if m.chunk_hub in hubs), None)
     if mech is None:
         return None
@@ -306,22 +248,22 @@ def analyse(path: str | Path, module_name: str, name: str | None = None,
     if missing:
         raise UnservedFamily(f"{name}: its {mech.name} mixer has no kernel wrapped as {', '.join(missing)}")
     chunk = hubs[mech.chunk_hub]
-    mixer = _mixer_class(tree, chunk)
+    mixer = code.mixer_class(tree, chunk)
     if mixer is None:
         raise UnservedFamily(f"{name}: no class of {path.name} calls {chunk} in its forward")
     adapter = ADAPTERS.get(name, Adapter())
     if adapter.unserved:
         raise UnservedFamily(f"{name}: {adapter.unserved}")
-    held = _mixer_attr(tree, mixer)
-    if held is None and adapter.mixer_attr is not None:
-        held = (adapter.mixer_attr, "tensor")
-    if held is None:
+    paths = code.mixer_paths(tree, mixer) or ((adapter.mixer_attr,) if adapter.mixer_attr is not None else ())
+    if not paths:
         raise UnservedFamily(f"{name}: no block of {path.name} holds a {mixer} as an attribute")
-    attr, block_output = held
+    # what the blocks return: as the model's forward takes it, else the holder's annotation
+    block_output = code.block_output(tree) or (
+        "tuple" if any(code.returns_tuple(tree, c) for c in code.holders(tree, mixer)) else "tensor")
     if model_types is None:
-        model_types = _model_types(path.with_name(path.name.replace("modeling_", "configuration_", 1)))
-    return Family(name, module_name, model_types or (name,), mixer, attr, chunk, hubs[mech.recurrent_hub],
-                  hubs[CONV_HUB], hubs[CONV_UPDATE_HUB], mech.name, block_output)
+        model_types = code.model_types(path.with_name(path.name.replace("modeling_", "configuration_", 1)))
+    return Family(name, module_name, model_types or (name,), mixer, paths[0], chunk, hubs[mech.recurrent_hub],
+                  hubs[CONV_HUB], hubs[CONV_UPDATE_HUB], mech.name, block_output, paths)
 
 
 def _models_root() -> Path | None:
