@@ -21,6 +21,11 @@ Every cell's P(token) from the engine is checked against the loop's (atol 1e-4).
 
     python benchmarks/sweep.py [--repeat 3] [--threads N]
     python benchmarks/sweep.py --repeat 1 --warmup 0 --blocks 3 --positions 2     # a smoke test
+
+`--mamba2` runs the Mamba-2 case instead: the same zero ablation over every Mamba-2 block x the positions of a
+small random granitemoehybrid (`small_granitemoehybrid`), the engine against the reference path (`engine="naive"`:
+full forwards, cells batched as invokes), both through `run_sweeps`, side by side; every cell of one is checked
+against the other (atol 1e-4).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import attrs
 import torch
@@ -53,6 +59,61 @@ def spread(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
+def small_granitemoehybrid(seed: int = 0) -> torch.nn.Module:
+    """Random weights: hidden 512, 8 blocks (three Mamba-2 blocks per attention block: 6 Mamba-2), 16 Mamba-2 heads
+    of 64 x d_state 64 in one group, chunk 64, a dense MLP of 1024, the byte vocabulary (259)."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=259, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=1024, shared_intermediate_size=1024, num_local_experts=0,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, mamba_n_heads=16, mamba_d_head=64,
+        mamba_d_state=64, mamba_n_groups=1, mamba_chunk_size=64, mamba_d_conv=4, mamba_expand=2,
+        position_embedding_type="rope", pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    return GraniteMoeHybridForCausalLM(cfg).eval()
+
+
+def mamba2_case(args: argparse.Namespace) -> None:
+    """The engine against the reference path on a small random granitemoehybrid (see the module doc)."""
+    from deltalang.testing import byte_tokenizer
+
+    model = wrap_model(small_granitemoehybrid(), byte_tokenizer(), "random small granitemoehybrid")
+    text = (TEXT * 4)[: args.tokens]
+    n_tok = len(model.spec.token_ids(text))
+    ssm = model.spec.ssm_layers()[: args.blocks]
+    positions = spread(n_tok, args.positions)
+    blocks = ", ".join(map(str, ssm))
+    source = (f"prompt p = {deltalang.ast.quote(text)}\n"
+              f"sweep ablate on p over L in L[{blocks}], t in 0..{n_tok} {{\n"
+              f"    write L.state_after(t) = zeros\n    measure prob(\"a\")\n}}\n")
+    full = deltalang.compile(source, model).resolved
+    sweep = full.runs[0]
+    t_axis = attrs.evolve(sweep.axes[1], values=tuple(positions), labels=tuple(positions))
+    exp = Experiment(source, model, resolved=attrs.evolve(full, runs=(attrs.evolve(sweep, axes=(sweep.axes[0], t_axis)),)))
+    got: dict[str, dict[str, float]] = {}
+
+    def case(engine: str) -> Callable[[], None]:
+        def run() -> None:
+            outcome = run_sweeps(exp, progress=False, batch_size=args.batch_size, engine=engine)
+            assert outcome.paths["ablate"] == "engine" if engine == "auto" else outcome.paths["ablate"].startswith("naive")
+            got[engine] = dict(outcome.results)
+        return run
+
+    t0 = time.perf_counter()
+    times = interleaved({"naive": case("naive"), "auto": case("auto")}, repeat=args.repeat, warmup=args.warmup)
+    wall = time.perf_counter() - t0
+    worst = max(abs(got["auto"][k] - v) for k, v in got["naive"].items())
+    assert set(got["auto"]) == set(got["naive"]) and worst <= 1e-4, f"engine and reference path disagree by {worst:.2e}"
+    n_cells = len(ssm) * len(positions)
+    print(f"benchmarks/sweep.py --mamba2 — {datetime.date.today()} — {machine()}")
+    print(f"zero ablation of state_after(t): {len(ssm)} Mamba-2 blocks x {len(positions)} positions {positions} = "
+          f"{n_cells} cells; random small granitemoehybrid, {n_tok}-token prompt; median of {args.repeat} "
+          f"(benchmark wall {wall:.0f} s); engine vs reference path max |dP| {worst:.1e}")
+    print(f"{'reference path (full forwards)':>30} | {'engine':>10} | {'reference / engine':>18}")
+    print(f"{times['naive']:>28.2f} s | {times['auto']:>8.2f} s | {times['naive'] / times['auto']:>17.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
@@ -62,10 +123,14 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=None, help="only the first N DeltaNet blocks (smoke tests)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--batch-size", type=int, default=None, help="the engine's rows per forward (default: memory)")
+    ap.add_argument("--mamba2", action="store_true", help="the Mamba-2 case: engine vs reference path")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.mamba2:
+        mamba2_case(args)
+        return
 
     hf = qwen35_08b_shaped()
     model = wrap_model(hf, tokenizer_for(), "random Qwen3.5-0.8B-shaped")

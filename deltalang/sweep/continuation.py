@@ -24,7 +24,9 @@ from .errors import Unsupported
 MASK_MAKERS = {"full_attention": "create_causal_mask", "indexed_attention": "create_causal_mask",
                "sliding_attention": "create_sliding_window_causal_mask",
                "chunked_attention": "create_chunked_causal_mask",
-               "linear_attention": "create_recurrent_attention_mask"}
+               "linear_attention": "create_recurrent_attention_mask",
+               "hybrid": "create_causal_mask"}  # attention beside a Mamba-2 mixer (falcon_h1): the attention's
+NO_MASK = {"mlp", "moe"}  # blocks without attention or a recurrent mixer (nemotron_h): the model passes None
 NO_SKIP = {"indexed_attention"}  # an indexer overlays its selection on the mask: the model always makes one
 
 
@@ -37,6 +39,9 @@ def masks(config: Any, cache: Any, kinds: Mapping[str, int], seq_len: int, start
     positions = torch.arange(start, seq_len, device=like.device)[None]
     out: dict[str, Any] = {}
     for kind, first in kinds.items():
+        if kind in NO_MASK:
+            out[kind] = None
+            continue
         name = MASK_MAKERS.get(kind)
         if name is None:
             raise Unsupported(f"layer type {kind!r}: no transformers mask function is known for it")

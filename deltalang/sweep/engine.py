@@ -33,7 +33,8 @@ from ..compiled import Experiment
 from .errors import Unsupported
 from .job import Cell, ResultRow, SweepJob, added_result_name, measure_label, start_of
 from .memory import chunks, waves
-from .recompute import Capture, Patch, Row, RowsOut, device_of, dtype_of, prefix_reads, run_rows
+from .recompute import (Capture, Patch, Row, RowsOut, continuation_start, device_of, dtype_of, prefix_reads,
+                        run_rows)
 from .support import dependencies, referenced_runs, subprogram
 
 if TYPE_CHECKING:
@@ -58,17 +59,18 @@ class Context:
 MERGE_WORK = 16
 
 
-def _fast_rows_plan(job: SweepJob, cells: Sequence[Cell]) -> dict[int, list[Cell]]:
+def _fast_rows_plan(model: DeltaModel, job: SweepJob, cells: Sequence[Cell]) -> dict[int, list[Cell]]:
     """Cells by the position their forward starts at, each group sorted by start block (then cell order).
 
-    A cell's own start is its earliest write's position; a group of cells joins the forward of an earlier
+    A cell's own start is its earliest write's position (`recompute.continuation_start`: on a Mamba-2
+    model one token earlier at the last token); a group of cells joins the forward of an earlier
     start when its rows x the positions between the two starts is at most `MERGE_WORK` (a sparse set of
     cells, e.g. attribution's refined ones, then shares a few forwards instead of one each). A row that
     starts earlier than its write recomputes the clean values up to the write: the same, to float noise."""
     own: dict[int, list[Cell]] = {}
     for cell in cells:
         starts = [start_of(op) for op in job.writes(cell)]
-        own.setdefault(min(p for _, p in starts), []).append(cell)
+        own.setdefault(continuation_start(model, len(job.run.token_ids), min(p for _, p in starts)), []).append(cell)
     groups: dict[int, list[Cell]] = {}
     first = -1
     for start in sorted(own):
@@ -173,14 +175,14 @@ def run_fast(ctx: Context, job: SweepJob, todo: Sequence[Cell], batch: int) -> N
     """
     model = ctx.exp.model
     wanted = {c.index for c in todo}
-    groups = _fast_rows_plan(job, job.cells)
+    groups = _fast_rows_plan(model, job, job.cells)
     with _routed(model, job.run.route):
         for wave in waves(model, groups):
             if not any(wanted.intersection(c.index for c in wave[start]) for start in wave):
                 continue
             first, reads = _capture_reads(model, job, wave)
             cap = ctx.capture(model, job.run.prompt_text, first, reads)
-            outputs = sorted({i for i in model.spec.linear_layers()
+            outputs = sorted({i for i in model.spec.recurrent_layers()
                               if ("state_output", None) in reads.get(i, set())})
             for start, group in wave.items():
                 for chunk in chunks(group, batch):

@@ -68,7 +68,7 @@ PREFIX_BYTES = 1 << 30  # the clean states one capture keeps, at most (a constan
 def waves(model: DeltaModel, groups: Mapping[int, list[Cell]]) -> list[dict[int, list[Cell]]]:
     """Start positions split into waves whose prefix states fit PREFIX_BYTES: one clean capture each."""
     d = model.spec.dims
-    per_start = len(model.spec.linear_layers()) * 4 * (d["heads"] * d["key_dim"] * d["value_dim"]
+    per_start = len(model.spec.recurrent_layers()) * 4 * (d["heads"] * d["key_dim"] * d["value_dim"]
                                                        + d["conv_dim"] * d["conv_width"])
     size = max(1, PREFIX_BYTES // max(1, per_start))
     starts = list(groups)

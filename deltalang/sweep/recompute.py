@@ -2,10 +2,11 @@
 
 A cell writing block L at position t changes nothing before block L or position t. `capture_clean` runs
 the clean prompt once, keeping the residual stream entering every block, each block's call arguments,
-the attention keys and values, and each DeltaNet block's state and window after t-1 for every start t
-asked. `run_rows` recomputes rows (cells) from their start block at positions start.. over a cache of the
-clean prefix (`_prefix_cache`, `CacheOf`), each row's write applied inside the kernel call
-(`MixerSite.direct`); the LM head runs at the last position only. With `continuation`, the only sweep
+the attention keys and values, and each recurrent (delta-rule or Mamba-2) block's state and window after
+t-1 for every start t asked. `run_rows` recomputes rows (cells) from their start block at positions start..
+over a cache of the clean prefix (`_prefix_cache`: each block's layer as the clean run's was, `CacheOf`),
+each row's write applied inside the kernel call (`MixerSite.direct`); the LM head runs at the last
+position only; `continuation_start` says where a cell's continuation starts. With `continuation`, the only sweep
 modules touching transformers' cache internals and `model._module` (`device_of`, `dtype_of`, ... answer
 the others).
 """
@@ -13,6 +14,7 @@ the others).
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -39,6 +41,7 @@ class Capture:
     caches: dict[int, CacheOf] = attrs.field(factory=dict)  # block -> what else its cache layer held
     threaded: dict[int, dict[str, int]] = attrs.field(factory=dict)  # block -> {kwarg: item of the last output}
     full_positions: bool = False  # the model keeps a position history in the cache: position embeddings whole
+    layouts: dict[int, str] = attrs.field(factory=dict)  # block -> what its cache layer holds (`_layout`)
 
 
 @attrs.define
@@ -119,8 +122,9 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
         for h in hooks:
             h.remove()
     kv = {}
+    layouts = {i: _layout(layer) for i, layer in enumerate(cache.layers)}
     for i in range(len(layers)):  # every attention block: masks are sized by the first one's cache
-        if model.spec.kind(i) == values.ATTENTION:
+        if layouts.get(i) in (ATTENTION_LAYOUT, HYBRID_LAYOUT):
             layer: Any = cache.layers[i]
             if getattr(layer, "keys", None) is None:
                 raise Unsupported(f"block {i}'s cache holds no keys ({type(layer).__name__})")
@@ -133,7 +137,24 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
         raise Unsupported(f"blocks {missing} were not called with a cache")
     seq_len = int(next(iter(inputs.values())).shape[1])
     history = any(getattr(layer, "indexer_position_ids", None) is not None for layer in cache.layers)
-    return result, Capture(seq_len, inputs, kwargs, kv, {}, caches, threaded, history)
+    return result, Capture(seq_len, inputs, kwargs, kv, {}, caches, threaded, history, layouts)
+
+
+ATTENTION_LAYOUT, LINEAR_LAYOUT, HYBRID_LAYOUT, NO_CACHE_LAYOUT = "attention", "linear", "hybrid", "none"
+
+
+def _layout(layer: Any) -> str:
+    """What a block's cache layer holds: keys and values (`attention`), a recurrent state and windows
+    (`linear`), both (`hybrid`: falcon_h1's blocks run attention and a Mamba-2 mixer), or nothing (`none`:
+    transformers' `DummyLayer` of an MLP-only block, nemotron_h's `mlp` and `moe`)."""
+    from transformers import cache_utils
+
+    dummy = getattr(cache_utils, "DummyLayer", None)
+    if dummy is not None and isinstance(layer, dummy):
+        return NO_CACHE_LAYOUT
+    if isinstance(layer, cache_utils.LinearAttentionCacheLayerMixin):
+        return HYBRID_LAYOUT if isinstance(layer, cache_utils.CacheLayerMixin) else LINEAR_LAYOUT
+    return ATTENTION_LAYOUT
 
 
 def _watch(cache: Any) -> dict[int, CacheOf]:
@@ -168,17 +189,30 @@ def _detached(v: Any) -> Any:
 
 def prefix_reads(model: DeltaModel, first_block: int, start: int) -> dict[int, set[tuple[str, int | None]]]:
     """The values `capture_clean` must keep for `run_rows` to continue from `start` at blocks first_block..:
-    each DeltaNet block's state and convolution window after start - 1 (none from position 0)."""
+    each recurrent block's state and convolution window after start - 1 (none from position 0)."""
     if start <= 0:
         return {}
     return {i: {("state_after", start - 1), ("conv_window_after", start - 1)}
-            for i in model.spec.linear_layers() if i >= first_block}
+            for i in model.spec.recurrent_layers() if i >= first_block}
 
 
-def _frozen_attention(keys: torch.Tensor, vals: torch.Tensor, held: CacheOf | None, start: int, rows: int) -> Any:
+def continuation_start(model: DeltaModel, seq_len: int, t: int) -> int:
+    """Where a continuation whose first write is at position t starts: t, except at the last token of a
+    model with Mamba-2 blocks, where it starts one token earlier (recomputing a clean token). A one-token
+    continuation takes transformers' Mamba-2 decode step instead of its prompt scan, and they differ:
+    nemotron_h's scan clamps the step sizes to `time_step_min`, its step does not; a cell's meaning is one
+    full forward, the prompt scan."""
+    if t == seq_len - 1 and t > 0 and model.spec.ssm_layers():
+        return t - 1
+    return t
+
+
+def _frozen_attention(keys: torch.Tensor, vals: torch.Tensor, held: CacheOf | None, start: int, rows: int,
+                      layer: Any = None) -> Any:
     """An attention block's cache layer holding the clean prefix [0, start) for `rows` rows: a plain
     `DynamicLayer` (a sliding window's mask is made over all the prefix's keys), a `DynamicIndexedLayer`
-    where the block's indexer keeps keys. Fresh for each call, so it stores what the call adds as usual."""
+    where the block's indexer keeps keys; or `layer` (a hybrid block's) given those keys. Fresh for each
+    call, so it stores what the call adds as usual."""
     from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 
     def cut(x: torch.Tensor, axis: int) -> torch.Tensor:
@@ -186,7 +220,8 @@ def _frozen_attention(keys: torch.Tensor, vals: torch.Tensor, held: CacheOf | No
         return x.expand(rows, *x.shape[1:])
 
     indexer = held.indexer if held is not None else None
-    layer: Any = DynamicLayer() if indexer is None else DynamicIndexedLayer()
+    if layer is None:
+        layer = DynamicLayer() if indexer is None else DynamicIndexedLayer()
     layer.keys, layer.values = cut(keys, -2), cut(vals, -2)
     layer.is_initialized, layer.device = True, keys.device
     if indexer is not None:
@@ -196,40 +231,55 @@ def _frozen_attention(keys: torch.Tensor, vals: torch.Tensor, held: CacheOf | No
     return layer
 
 
+@functools.lru_cache(maxsize=None)
+def _frozen_class(base: type) -> type:
+    """`base` (transformers' linear-attention cache layer, or its hybrid with full attention) holding the
+    state and windows after the prefix: a continuation reads them and never overwrites them, and the call's
+    final state is recorded (`final`) instead of stored."""
+
+    class FrozenLinearLayer(base):  # type: ignore[misc, valid-type]
+        final: torch.Tensor | None = None
+        width: int = 4
+
+        def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0,
+                              conv_kernel_size: int | None = None, **kw: Any) -> torch.Tensor:
+            if not self.has_previous_state[state_idx]:
+                wide = self.width if state_idx == 0 else int(conv_kernel_size or conv_states.shape[-1])
+                short = wide - conv_states.shape[-1]
+                return torch.nn.functional.pad(conv_states, (short, 0)) if short > 0 else conv_states
+            cached: Any = self.conv_states[state_idx]
+            return torch.cat([cached, conv_states], dim=-1)
+
+        def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
+                                   **kw: Any) -> torch.Tensor:
+            self.final = recurrent_states
+            return recurrent_states
+
+    return FrozenLinearLayer
+
+
 class _FrozenLinear:
-    """Builds a DeltaNet block's cache layer holding the state and conv windows after the prefix."""
+    """Builds a recurrent block's cache layer holding the state and conv windows after the prefix."""
 
     @staticmethod
     def make(window: torch.Tensor | None, state: torch.Tensor | None, width: int, rows: int,
-             held: CacheOf | None = None, start: int = 0) -> Any:
-        from transformers.cache_utils import LinearAttentionLayer
+             held: CacheOf | None = None, start: int = 0, hybrid: bool = False, in_place: bool = False) -> Any:
+        """`hybrid`: the layer of a block with attention too (its keys set by `_frozen_attention`);
+        `in_place`: the call updates the state in place (transformers' Mamba-2 decode step, one token after
+        the prefix): the rows get their own copy, which is then also the call's final state."""
+        from transformers import cache_utils
 
-        class FrozenLinearLayer(LinearAttentionLayer):
-            """State and windows after the prefix; records the call's final state instead of storing it."""
-
-            final: torch.Tensor | None = None
-
-            def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0,
-                                  conv_kernel_size: int | None = None, **kw: Any) -> torch.Tensor:
-                if not self.has_previous_state[state_idx]:
-                    wide = width if state_idx == 0 else int(conv_kernel_size or conv_states.shape[-1])
-                    short = wide - conv_states.shape[-1]
-                    return torch.nn.functional.pad(conv_states, (short, 0)) if short > 0 else conv_states
-                cached: Any = self.conv_states[state_idx]
-                return torch.cat([cached, conv_states], dim=-1)
-
-            def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
-                                       **kw: Any) -> torch.Tensor:
-                self.final = recurrent_states
-                return recurrent_states
-
-        layer: Any = FrozenLinearLayer(number_of_states=held.states if held is not None else 1)
+        base = cache_utils.LinearAttentionAndFullAttentionLayer if hybrid else cache_utils.LinearAttentionLayer
+        layer: Any = _frozen_class(base)(number_of_states=held.states if held is not None else 1)
+        layer.width = width
         layer.conv_kernel_size[0] = width
         if window is not None and state is not None:
             # the cache keeps `width` columns; the first is never read by a continuation
             conv = torch.cat([torch.zeros_like(window[..., :1]), window], dim=-1)
             layer.conv_states[0] = conv.expand(rows, *conv.shape[1:]).clone()  # a decode step updates it in place
             layer.recurrent_states[0] = state.expand(rows, *state.shape[1:])
+            if in_place:
+                layer.recurrent_states[0] = layer.final = layer.recurrent_states[0].clone()
             layer.has_previous_state[0] = True
             layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
             layer.device, layer.dtype = window.device, window.dtype
@@ -259,15 +309,26 @@ def _prefix_cache(model: DeltaModel, cap: Capture, start: int) -> Any:
 
 
 def _prefix_layer(model: DeltaModel, cap: Capture, i: int, start: int, rows: int) -> Any:
+    """Block i's cache layer of the clean prefix [0, start) for `rows` rows, as its cache layer was
+    (`Capture.layouts`): keys and values, state and windows, both, or transformers' empty `DummyLayer`."""
     held = cap.caches.get(i)
-    if model.spec.kind(i) == values.ATTENTION:
+    layout = cap.layouts.get(i, ATTENTION_LAYOUT if model.spec.kind(i) == values.ATTENTION else LINEAR_LAYOUT)
+    if layout == NO_CACHE_LAYOUT:
+        from transformers.cache_utils import DummyLayer
+
+        return DummyLayer()
+    if layout == ATTENTION_LAYOUT:
         keys, vals = cap.kv[i]
         return _frozen_attention(keys, vals, held, start, rows)
     width = model.spec.dims.get("conv_width", 4)
+    hybrid = layout == HYBRID_LAYOUT
     if start == 0 or ("state_after", i, start - 1) not in cap.values:
-        return _FrozenLinear.make(None, None, width, rows, held, start)
-    return _FrozenLinear.make(cap.values[("conv_window_after", i, start - 1)][0:1],
-                              cap.values[("state_after", i, start - 1)][0:1], width, rows, held, start)
+        layer = _FrozenLinear.make(None, None, width, rows, held, start, hybrid)
+    else:
+        layer = _FrozenLinear.make(cap.values[("conv_window_after", i, start - 1)][0:1],
+                                   cap.values[("state_after", i, start - 1)][0:1], width, rows, held, start, hybrid,
+                                   in_place=model.spec.kind(i) == values.SSM and start == cap.seq_len - 1)
+    return _frozen_attention(*cap.kv[i], held, start, rows, layer) if hybrid else layer
 
 
 def _resize(model: DeltaModel, cache: Any, cap: Capture, i: int, start: int, rows: int) -> None:
@@ -361,7 +422,7 @@ def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
 
 
 def _site(model: DeltaModel, i: int) -> Any:
-    if model.spec.kind(i) != values.DELTANET:
+    if model.spec.kind(i) not in values.RECURRENT:
         return None
     mixer = getattr(decoder(model._module).layers[i], model.family.mixer_attr)
     return getattr(mixer, "_deltalang_site", None)
