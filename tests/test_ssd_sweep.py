@@ -34,7 +34,7 @@ import deltalang
 from deltalang import compat, ssd, testing_ssd
 from deltalang.sweep import run_sweep
 
-SERVED = ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h")  # zamba2, mamba2: refused (docs/mamba2.md)
+SERVED = ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "mamba2")  # zamba2: the reference path (sweep/job.py)
 CLEAN = "The Eiffel Tower is in"  # 22 byte tokens
 OTHER = "A green frog sat on it"  # 22 too: the donor's token t is its own token t
 TOL = 2e-5  # relative to max(1, |value|): float32 noise (the scan in chunks, split or not)
@@ -380,7 +380,7 @@ def test_the_plan_says_which_path_each_sweep_takes() -> None:
     other = attrs.evolve(spec, family=attrs.evolve(spec.family, name="zamba2"))
     line = path_lines(deltalang.check(src, other))[0]
     assert line.endswith("the engine cannot serve it: the engine is checked on the Mamba-2 families bamba, "
-                         "granitemoehybrid, falcon_h1, nemotron_h (tests/test_ssd_sweep.py), not yet on zamba2")
+                         "granitemoehybrid, falcon_h1, nemotron_h, mamba2 (tests/test_ssd_sweep.py), not yet on zamba2")
 
 
 def test_a_sweep_over_a_dataset_equals_transformers_per_record(monkeypatch: pytest.MonkeyPatch) -> None:

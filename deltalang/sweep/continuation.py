@@ -100,7 +100,8 @@ def threaded_value(clean: torch.Tensor | None, previous: Any, have: int, rows: i
 
 def tail(dec: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """What the decoder's forward applies to the residual stream after its blocks: its statements between the
-    loop over `self.layers` and the return, each `hidden_states = self.a(self.b(... hidden_states))`."""
+    loop over `self.layers` and the return that assign `hidden_states`, each `hidden_states = self.a(self.b(...
+    hidden_states))` (statements that leave it alone, such as collecting `all_hidden_states`, are skipped)."""
     fn = inspect.unwrap(type(dec).forward)
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     body = tree.body[0].body  # type: ignore[attr-defined]
@@ -111,6 +112,8 @@ def tail(dec: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     for stmt in body[loops[-1] + 1:]:
         if isinstance(stmt, ast.Return):
             break
+        if not _stores_residual(stmt):  # bookkeeping: `if output_hidden_states: all_hidden_states += ...`
+            continue
         chain = _chain(stmt)
         if chain is None:
             raise Unsupported(f"{type(dec).__name__}.forward after its blocks: {ast.unparse(stmt)!r}")
@@ -122,6 +125,12 @@ def tail(dec: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
                 h = getattr(dec, name)(h)
         return h
     return apply
+
+
+def _stores_residual(stmt: ast.stmt) -> bool:
+    """Whether `stmt` assigns the residual stream (`hidden_states`) anywhere in it."""
+    return any(isinstance(n, ast.Name) and n.id == "hidden_states" and isinstance(n.ctx, ast.Store)
+               for n in ast.walk(stmt))
 
 
 def _chain(stmt: ast.stmt) -> list[str] | None:

@@ -424,7 +424,7 @@ def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
 def _site(model: DeltaModel, i: int) -> Any:
     if model.spec.kind(i) not in values.RECURRENT:
         return None
-    mixer = getattr(decoder(model._module).layers[i], model.family.mixer_attr)
+    mixer = model.family.mixer_of(decoder(model._module).layers[i])  # zamba2's hybrid blocks: one level down
     return getattr(mixer, "_deltalang_site", None)
 
 
