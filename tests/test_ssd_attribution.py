@@ -272,7 +272,13 @@ def _patched_m(name: str, ids: torch.Tensor, layer: int, t: int, state: torch.Te
                window: torch.Tensor | None = None) -> float:
     """M with `layer`'s state after t (token t reads it) or its window after t written into transformers'
     cache (the module doc); t >= 1 for a state. Neither: the clean M."""
-    hf, (a, b) = _hf(name), _answers(name)
+    return _patched_ab(name, ids, layer, t, state, *_answers(name), window)
+
+
+def _patched_ab(name: str, ids: torch.Tensor, layer: int, t: int, state: torch.Tensor | None, a: int, b: int,
+                window: torch.Tensor | None = None) -> float:
+    """`_patched_m` of logit(a) - logit(b)."""
+    hf = _hf(name)
     pending: list[torch.Tensor | None] = [state]  # token t's step only (a one-token rest is a step too)
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -434,3 +440,71 @@ def test_the_command_line_runs_attribution_on_a_mamba2_model(name: str, tmp_path
     rows = list(csv.DictReader((tmp_path / "o" / "attribution.csv").read_text(encoding="utf-8").splitlines()))
     assert len(rows) == 4 * len(_model(name).spec.ssm_layers())
     assert sum(1 for r in rows if r["exact"]) == 2  # two cells refined
+
+
+# -- over a dataset -----------------------------------------------------------------------------------------
+
+RECORDS = [  # prompts and corrupt prompts of one length each (byte tokens), one-token answers
+    {"prompt": "The Eiffel Tower is in", "corrupt": "My favourite food is a", "answer": "P", "foil": "a",
+     "subject": "Eiffel Tower"},
+    {"prompt": "A cat sat on the mat", "corrupt": "A dog ran in the sun", "answer": "s", "foil": "e",
+     "subject": "cat"},
+    {"prompt": "Paris is in France", "corrupt": "Tokyo is in Japan!", "answer": ".", "foil": "s",
+     "subject": "Paris"},
+]
+DATASET_SWEEP = """dataset facts = "facts.jsonl"
+sweep s on facts over L in L[ssm], t in facts.subject, -1 method attribution refine 2 {
+    write L.state_after(t) from facts.corrupt
+    measure logit_diff(facts.answer, facts.foil)
+}
+"""
+
+
+def test_attribution_over_a_dataset_equals_transformers() -> None:
+    """Each record's `plain` estimate is <dM/dS_t, S' - S> with dM/dS_t by autograd through transformers' scan
+    and S' the corrupt prompt's cached state; the refined cells' exact effects are transformers' cache written
+    with S' on every record; a cell's estimate is the mean of its records'."""
+    from deltalang.sweep.attribution_dataset import DatasetAttribution
+
+    name = "bamba"
+    model, hf = _model(name), _hf(name)
+    out = deltalang.run(DATASET_SWEEP, model, data={"facts": RECORDS})
+    assert isinstance(out, DatasetAttribution) and not out.skipped
+    assert out.variants == ("plain", "blk2")
+    layers = model.spec.ssm_layers()
+    assert out.axes == (("L", tuple(f"L{b}" for b in layers)), ("t", ("facts.subject", "-1")))
+    refined = out.refined()
+    assert len(refined) == 2 and all(c.exact is not None and c.exact.n == 3 for c in refined)
+    runs = []
+    for r in RECORDS:
+        ids, corrupt = _tokens(name, r["prompt"]), _tokens(name, r["corrupt"])
+        a, b = (model.spec.token_ids(r[k])[0] for k in ("answer", "foil"))
+        at = {"-1": ids.shape[1] - 1, "facts.subject": r["prompt"].index(r["subject"]) + len(r["subject"]) - 1}
+        runs.append((ids, corrupt, a, b, at))
+    for layer in layers:
+        for label in ("facts.subject", "-1"):
+            got = out.values({"L": f"L{layer}", "t": label}, variant="plain")
+            for k, (ids, corrupt, a, b, at) in enumerate(runs):
+                t = at[label]
+                with torch.no_grad():
+                    here = compat.output_cache(_forward(hf, ids[:, :t + 1])).get_recurrent_state(layer)
+                    there = compat.output_cache(_forward(hf, corrupt[:, :t + 1])).get_recurrent_state(layer)
+                grad = _state_leaf_grad(name, hf, ids, layer, t, a, b)
+                want = float((grad * (there - here)).sum())
+                assert got[k] == pytest.approx(want, rel=1e-3, abs=1e-6), (layer, label, k)
+    checked = 0
+    for c in refined:
+        point = dict(c.point)
+        layer = int(point["L"][1:])
+        want_exact = []
+        for ids, corrupt, a, b, at in runs:
+            t = at[point["t"]]
+            new = _cache_after(name, corrupt, t).get_recurrent_state(layer)
+            clean = float(_m(_forward(hf, ids).logits.detach(), a, b))
+            want_exact.append(_patched_ab(name, ids, layer, t, new, a, b) - clean)
+        assert out.values(point, variant="exact") == pytest.approx(want_exact, abs=2e-5), point
+        checked += max(abs(w) for w in want_exact) > 1e-3
+    assert checked >= 1
+    for c in out.cells:
+        vals = out.values(dict(c.point), variant="blk2")
+        assert c.estimates["blk2"].mean == pytest.approx(sum(vals) / len(vals))
