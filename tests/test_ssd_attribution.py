@@ -172,14 +172,17 @@ def _window_cut_grad(name: str, hf: Any, ids: torch.Tensor, layer: int, t: int) 
     return torch.autograd.grad(m, leaves[0])[0]
 
 
-def _recorded(name: str, ids: torch.Tensor) -> tuple[families.Family, gradients.Recording, list[int]]:
+def _recorded(name: str, ids: torch.Tensor, cache: bool = False
+              ) -> tuple[families.Family, gradients.Recording, list[int]]:
+    """Every Mamba-2 block of a plain forward recorded, M's gradients taken (with `cache`, a fresh cache filled:
+    the scan returns its final state, a prompt shorter than the convolution is padded in front)."""
     hf = _hf(name)
     fam = families.for_config(hf.config)
     mixers = dict(testing_ssd.ssd_mixers(hf))
     embeds = hf.get_input_embeddings()(ids).detach().requires_grad_(True)  # the weights take no gradient
     with torch.enable_grad():
         rec = gradients.record(hf, fam, sorted(mixers), mixers.__getitem__,
-                               lambda: hf(inputs_embeds=embeds, use_cache=False).logits)
+                               lambda: hf(inputs_embeds=embeds, use_cache=cache).logits)
         rec.backward(_m(rec.result))
     return fam, rec, sorted(mixers)
 
@@ -227,20 +230,26 @@ def test_window_gradients_are_autograd_through_transformers_cache(name: str) -> 
 def test_the_recorded_states_and_windows_are_the_caches(name: str) -> None:
     """The values a patch's difference is taken from (`states`, `states_at`, `windows`), on a prompt shorter
     than the convolution (the cache pads the convolution's input) and a longer one."""
-    for n in (3, PROMPT_LEN):
+    for n, cache in ((3, False), (3, True), (PROMPT_LEN, True)):
         ids = _ids(n, seed=2)
-        fam, rec, layers = _recorded(name, ids)
+        fam, rec, layers = _recorded(name, ids, cache)
         for i in layers:
             blk = rec.blocks[i]
+            if cache and n == 3:  # the window's gradients skip the cache's padding too
+                assert blk.conv_x is not None and blk.conv_x.shape[-1] > n
+                grads = gradients.window_gradients(blk)
+                assert grads.shape[1] == n
+                for t in range(n - 1):
+                    _close(grads[:, t], _window_cut_grad(name, _hf(name), ids, i, t))
             every, some, wins = gradients.states(fam, blk), gradients.states_at(fam, blk, [n - 1, 1]), \
                 gradients.windows(blk)
             for t in range(n):
                 with torch.no_grad():
-                    cache = compat.output_cache(_forward(_hf(name), ids[:, :t + 1]))
-                _close(every[:, t], cache.get_recurrent_state(i), 1e-5)
+                    held = compat.output_cache(_forward(_hf(name), ids[:, :t + 1]))
+                _close(every[:, t], held.get_recurrent_state(i), 1e-5)
                 if t in some:
-                    _close(some[t], cache.get_recurrent_state(i), 1e-5)
-                _close(wins[:, t], cache.get_conv_state(i)[..., 1:], 1e-6)
+                    _close(some[t], held.get_recurrent_state(i), 1e-5)
+                _close(wins[:, t], held.get_conv_state(i)[..., 1:], 1e-6)
 
 
 # -- the sweep method ------------------------------------------------------------------------------------
