@@ -8,6 +8,7 @@ at its output is random. Cases, each against `scan` in the same run:
   gradients    `gradients.state_gradients`: dM/dS_t for every token, `[1, s, 32, 64, 128]` float32
   dots         `gradients.state_dots` at the last 64 tokens, the gradient of 3 rows (plain and blk2's two
                points, as an estimate of a donor's state takes them)
+  dots2        the same at 2 tokens (a dataset sweep's `t in facts.subject, -1`)
 
     python benchmarks/ssd_adjoint.py [--length 512] [--repeat 3] [--cells 64]
 """
@@ -87,6 +88,8 @@ def main() -> None:
         "backward": backward,
         "gradients": lambda: gradients.state_gradients(None, blk),  # type: ignore[arg-type]
         "dots": lambda: gradients.state_dots(None, blk, lambda t: delta, rows, cells),  # type: ignore[arg-type]
+        "dots2": lambda: gradients.state_dots(None, blk, lambda t: delta, rows,  # type: ignore[arg-type]
+                                              [args.length // 3, args.length - 1]),
     }
     with torch.no_grad():
         base = None

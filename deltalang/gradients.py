@@ -285,15 +285,16 @@ def _scan(fam: families.Family, blk: BlockRecord, visit: Callable[[int, torch.Te
         visit(t, lam)
 
 
-def _ssd_adjoint(blk: BlockRecord, grad: BlockRecord, visit: Callable[[int, torch.Tensor], None],
+def _ssd_adjoint(blk: BlockRecord, grad: BlockRecord, visit: Callable[[list[int], torch.Tensor], None],
                  at: Iterable[int] | None = None) -> None:
-    """The Mamba-2 scan's adjoint in chunks of `ADJOINT_CHUNK`, from the last back to the first: `visit(t0, G)`
-    with G = dM/dS_t for the chunk's tokens t0.., `[b, c, h, P, N]` float32, for the chunks holding a token
-    of `at` (None: every chunk). The transitions and C are `blk`'s, the gradient at the output `grad`'s.
+    """The Mamba-2 scan's adjoint in chunks of `ADJOINT_CHUNK`, from the last back to the first:
+    `visit(ts, G)` with G = dM/dS_t at the tokens `ts` of `at` in the chunk (None: every token), `[b, len(ts),
+    h, P, N]` float32. The transitions and C are `blk`'s, the gradient at the output `grad`'s.
 
     With a_t = A dt_t (the log decay), G_t = go_t C_t^T + exp(a_(t+1)) G_(t+1); within a chunk, with L the
     cumulative log decay from its first token, G_t = sum_(j >= t) exp(L_j - L_t) go_j C_j^T
-    + exp(L_last - L_t) E, E = exp(a_(t1)) G_(t1) carried from the next chunk (every exponent <= 0)."""
+    + exp(L_last - L_t) E, E = exp(a_(t1)) G_(t1) carried from the next chunk (every exponent <= 0). Only
+    the tokens asked (and each chunk's first, for the carry) are computed."""
     sc = blk.scan
     assert sc is not None
     if grad.grad_out is None:
@@ -303,27 +304,24 @@ def _ssd_adjoint(blk: BlockRecord, grad: BlockRecord, visit: Callable[[int, torc
     Ch = sc.C.float().repeat_interleave(heads // sc.C.shape[2], dim=2).transpose(1, 2)  # [b, h, s, N]
     go = grad.grad_out.float().transpose(1, 2)  # [b', h, s, P]
     s, c = a.shape[-1], ADJOINT_CHUNK
-    wanted = None if at is None else {t // c for t in at}
+    wanted = None if at is None else set(at)
     E: torch.Tensor | None = None  # [b', h, P, N]
     for t0 in reversed(range(0, s, c)):
         t1 = min(s, t0 + c)
+        asked = [t for t in range(t0, t1) if wanted is None or t in wanted]
+        rows = sorted({0, *(t - t0 for t in asked)})
+        idx = torch.tensor(rows, device=a.device)
         L = a[..., t0:t1].cumsum(-1)  # [b, h, n]
-        n = t1 - t0
-        later = torch.ones(n, n, dtype=torch.bool, device=L.device).tril(-1)  # j < t: not read
-        W = (L[..., None, :] - L[..., :, None]).masked_fill(later, float("-inf")).exp()  # [b, h, t, j]
-        tail = (L[..., -1:] - L).exp()  # [b, h, n]
+        later = torch.arange(t1 - t0, device=a.device)[None, :] < idx[:, None]  # [rows, j]: j < t is not read
+        W = (L[..., None, :] - L[..., idx, None]).masked_fill(later, float("-inf")).exp()  # [b, h, rows, j]
         gT, Cc = go[..., t0:t1, :].transpose(-1, -2), Ch[..., t0:t1, :]  # [b', h, P, n], [b, h, n, N]
-        if wanted is None or t0 // c in wanted:
-            G = (W[..., :, None, :] * gT[..., None, :, :]) @ Cc[..., None, :, :]  # [b', h, t, P, N]
-            if E is not None:
-                G = G + tail[..., None, None] * E[..., None, :, :]
-            visit(t0, G.transpose(1, 2))
-            first = G[:, :, 0]
-        else:
-            first = (W[..., 0, None, :] * gT) @ Cc
-            if E is not None:
-                first = first + tail[..., 0, None, None] * E
-        E = a[..., t0].exp()[..., None, None] * first
+        G = (W[..., :, None, :] * gT[..., None, :, :]) @ Cc[..., None, :, :]  # [b', h, rows, P, N]
+        if E is not None:
+            G = G + (L[..., -1:] - L[..., idx]).exp()[..., None, None] * E[..., None, :, :]
+        if asked:
+            keep = [rows.index(t - t0) for t in asked]
+            visit(asked, (G if len(keep) == G.shape[2] else G[:, :, keep]).transpose(1, 2))
+        E = a[..., t0].exp()[..., None, None] * G[:, :, 0]
 
 
 def state_gradients(fam: families.Family, blk: BlockRecord) -> torch.Tensor:
@@ -338,14 +336,11 @@ def state_gradients(fam: families.Family, blk: BlockRecord) -> torch.Tensor:
     def keep(t: int, lam: torch.Tensor) -> None:
         nonlocal out
         if out is None:
-            out = torch.empty(b, s, *lam.shape[1 if blk.scan is None else 2:], dtype=torch.float32, device=lam.device)
-        if blk.scan is None:
-            out[:, t] = lam
-        else:
-            out[:, t:t + lam.shape[1]] = lam
+            out = torch.empty(b, s, *lam.shape[1:], dtype=torch.float32, device=lam.device)
+        out[:, t] = lam
 
     if blk.scan is not None:
-        _ssd_adjoint(blk, blk, keep)
+        _ssd_adjoint(blk, blk, lambda ts, lam: [keep(t, lam[:, n]) for n, t in enumerate(ts)])
     else:
         _scan(fam, blk, keep)
     assert out is not None
@@ -371,9 +366,8 @@ def state_dots(fam: families.Family, blk: BlockRecord, delta: Callable[[int], to
         if keep is None or t in keep:
             out[:, t] = (lam * delta(t)).flatten(1).sum(-1)
 
-    def dots(t0: int, lam: torch.Tensor) -> None:
-        for i in range(lam.shape[1]):
-            dot(t0 + i, lam[:, i])
+    def dots(ts: list[int], lam: torch.Tensor) -> None:
+        out[:, ts] = (lam * torch.stack([delta(t) for t in ts], dim=1)).flatten(2).sum(-1)
 
     if blk.scan is not None:
         _ssd_adjoint(blk, g, dots, keep)
