@@ -1,10 +1,11 @@
 """The recorded forwards behind attribution: the clean run, the donors, and the gradient passes of each path.
 
-`record_forward` runs one plain transformers forward recording DeltaNet blocks (`gradients.record`), with
+`record_forward` runs one plain transformers forward recording recurrent blocks (`gradients.record`), with
 a measure's gradients when given one. `gradient_runs` gives, per measure, the recordings each variant
 integrates: `plain` (the clean run) and the `k` points of a path (`path_rule`): "blocks" (block L's kernel
 output moved towards the goal, the pass from block L and the first moved position on, over the clean
-stream `plain_runs` captured; several blocks share a pass as rows, up to `CPU_PATH_TOKENS` on a CPU),
+stream `plain_runs` captured; several blocks share a pass as rows, up to `CPU_PATH_TOKENS` on a CPU; on
+Mamba-2 blocks whole forwards, `whole_block_paths`),
 "outputs" (every swept block's output at once) or "embeddings". `goal`: the donor's output, or `factor` x
 the clean one. Weights get no gradient. The derivation: docs/attribution.md.
 """
