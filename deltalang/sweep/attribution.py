@@ -30,7 +30,7 @@ from ..model import DeltaModel
 from .errors import DeltaSweepError
 from .job import measure_label
 from .paths import (PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward,
-                    reused_capture)
+                    reused_capture, whole_passes)
 from .table import signed, warn_saturated
 
 VALUES = ("state_after", "conv_window_after")
@@ -312,7 +312,7 @@ def estimates(model: DeltaModel, target: Target, clean: gradients.Recording,
             total = torch.zeros(len(names), len(cells), dtype=torch.float64)
             if states:
                 zero = torch.zeros_like(next(iter(states.values())))
-                dots = gradients.state_dots(fam, clean.blocks[block], lambda t: states.get(t, zero), blk)
+                dots = gradients.state_dots(fam, clean.blocks[block], lambda t: states.get(t, zero), blk, states)
                 for n, c in enumerate(cells):
                     if c[1] in states:
                         total[:, n] += dots[:, c[1]].double()
@@ -428,8 +428,11 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
         raise DeltaSweepError(f"path is one of {', '.join(PATHS)}, got {path!r}")
     check_path(model, target, steps, path)
     blocks = sorted({b for b, _ in target.cells})
+    # the clean capture the blocks' paths run over and the refine's engine reuses; on Mamba-2 blocks the paths
+    # run whole forwards and the engine takes its own capture (`paths.whole_passes`)
+    from_block = not whole_passes(model) and ((path == "blocks" and steps > 0) or refine)
     plain, capture = plain_runs(model, blocks, target.sweep.prompt_text, target.measures,
-                                min(blocks) if (path == "blocks" and steps > 0) or refine else None)
+                                min(blocks) if from_block else None)
     clean = plain[measure_label(target.measures[0])]
     donors = _source_runs(model, exp, target)
     donor = next(iter(donors.values())) if target.donor is not None else None
@@ -451,9 +454,9 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
             raise DeltaSweepError("refine needs the sweep engine (deltalang.run_sweep passes it)")
         first = measure_label(target.measures[0])
         top = sorted((r for r in rows if r.measure == first), key=lambda r: -abs(r.estimates[default]))[:refine]
-        assert capture is not None
-        refine_cells(exp, target, result, [(r.block, r.position) for r in top],
-                     partial(exact, capture=reused_capture(capture, clean, target.sweep.prompt_text)))
+        engine = exact if capture is None else partial(exact, capture=reused_capture(capture, clean,
+                                                                                     target.sweep.prompt_text))
+        refine_cells(exp, target, result, [(r.block, r.position) for r in top], engine)
     if out is not None:
         result.files.append(result.write_csv(Path(out) / "attribution.csv"))
     return result

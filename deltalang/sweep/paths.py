@@ -1,10 +1,11 @@
 """The recorded forwards behind attribution: the clean run, the donors, and the gradient passes of each path.
 
-`record_forward` runs one plain transformers forward recording DeltaNet blocks (`gradients.record`), with
+`record_forward` runs one plain transformers forward recording recurrent blocks (`gradients.record`), with
 a measure's gradients when given one. `gradient_runs` gives, per measure, the recordings each variant
 integrates: `plain` (the clean run) and the `k` points of a path (`path_rule`): "blocks" (block L's kernel
 output moved towards the goal, the pass from block L and the first moved position on, over the clean
-stream `plain_runs` captured; several blocks share a pass as rows, up to `CPU_PATH_TOKENS` on a CPU),
+stream `plain_runs` captured; several blocks share a pass as rows, up to `CPU_PATH_TOKENS` on a CPU; on
+Mamba-2 blocks whole forwards, `whole_block_paths`),
 "outputs" (every swept block's output at once) or "embeddings". `goal`: the donor's output, or `factor` x
 the clean one. Weights get no gradient. The derivation: docs/attribution.md.
 """
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import gradients
+from .. import families, gradients
 from ..compat import cache_kwargs
 from ..ir import ResolvedMeasure
 from ..model import DeltaModel, decoder_layers
@@ -160,7 +161,7 @@ def plain_runs(model: DeltaModel, blocks: Sequence[int], text: str, measures: Se
             if capture_from is None or capture is not None:
                 out[measure_label(m)] = record_forward(model, blocks, embeds=embeds, measure=m)
                 continue
-            layers = sorted(set(blocks) | {i for i in model.spec.linear_layers() if i >= capture_from})
+            layers = sorted(set(blocks) | {i for i in model.spec.recurrent_layers() if i >= capture_from})
 
             def forward(cache: Any, m: ResolvedMeasure = m, embeds: torch.Tensor = embeds) -> gradients.Recording:
                 return record_forward(model, layers, embeds=embeds, measure=m, cache=cache)
@@ -212,7 +213,7 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
     ids = ids_of(model, ends.text)
     embed = model._module.get_input_embeddings()
     out: dict[str, dict[str, Any]] = {}
-    if path == "blocks" and steps > 0:
+    if path == "blocks" and steps > 0 and not whole_passes(model):
         assert capture is not None, "path blocks runs from the clean capture (plain_runs' capture_from)"
         capture = with_prefix(model, capture, ends.clean, ends.start)
     with frozen_weights(model):
@@ -224,6 +225,9 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
                 continue
             name = f"{PATHS[path]}{steps}"
             if path == "blocks":
+                if whole_passes(model):
+                    variants[name] = whole_block_paths(model, blocks, m, steps, ends)
+                    continue
                 assert capture is not None
                 variants[name] = block_paths(model, capture, blocks, m, steps, ends)
                 continue
@@ -242,8 +246,10 @@ def gradient_runs(model: DeltaModel, blocks: Sequence[int], measures: Sequence[R
     return out
 
 
-def path_groups(model: DeltaModel, blocks: Sequence[int], steps: int, positions: int) -> list[list[int]]:
-    """Blocks whose paths share one pass: their rows x blocks run, with gradients, fit the memory budget.
+def path_groups(model: DeltaModel, blocks: Sequence[int], steps: int, positions: int, whole: bool = False
+                ) -> list[list[int]]:
+    """Blocks whose paths share one pass: their rows x blocks run, with gradients, fit the memory budget
+    (`whole`: every row through every block, `whole_block_paths`; else from its own block on).
 
     On a CPU consecutive blocks share a pass up to `CPU_PATH_TOKENS` rows x positions (k rows a block, at
     least one block): the linear layers' matrix products are the passes' cost, and a product of fewer rows
@@ -262,7 +268,7 @@ def path_groups(model: DeltaModel, blocks: Sequence[int], steps: int, positions:
     groups: list[list[int]] = []
     used = 0
     for b in sorted(blocks):
-        cost = steps * (n - b) * per_block
+        cost = steps * (n - (0 if whole else b)) * per_block
         if groups and used + cost <= budget:
             groups[-1].append(b)
             used += cost
@@ -313,4 +319,38 @@ def block_paths(model: DeltaModel, capture: Capture, blocks: Sequence[int], m: R
             grad_conv = F.pad(blk.grad_conv[mine][..., blk.grad_conv.shape[-1] - (s - start):], (start, 0))
             own = attrs.evolve(blk, grad_out=grad_out, grad_conv=grad_conv)
             out[b] = [gradients.Recording(rec.family, {b: own}, result[mine])]
+    return out
+
+
+def whole_passes(model: DeltaModel) -> bool:
+    """Whether a block's path runs as whole-model forwards (`whole_block_paths`): on Mamba-2 blocks, which the
+    engine's continuation (`recompute.run_rows`, over its delta-rule prefix) does not recompute."""
+    return model.family.block_kind == families.SSM_KIND
+
+
+def whole_block_paths(model: DeltaModel, blocks: Sequence[int], m: ResolvedMeasure, steps: int, ends: PathEnds
+                      ) -> dict[int, list[gradients.Recording]]:
+    """`block_paths` as whole-model forwards from the embeddings, every position: each block's k points
+    (`path_rule`) as rows, its shift on its own rows only (several blocks' rows share a pass, `path_groups`).
+    The same gradients as a pass from block L and `ends.start` on, at every position the estimate reads."""
+    dev = device_of(model)
+    a = torch.tensor(path_rule(steps, ends.clean_end)[0], dtype=torch.float32, device=dev)
+    ids = ids_of(model, ends.text)
+    x0 = model._module.get_input_embeddings()(ids).detach()
+    out: dict[int, list[gradients.Recording]] = {}
+    for group in path_groups(model, blocks, steps, int(ids.shape[1]), whole=True):
+        rows = len(group) * steps
+        shifts = {}
+        for n, b in enumerate(group):
+            d = ends.shift(b)
+            shift = torch.zeros(rows, *d.shape[1:], dtype=torch.float32, device=d.device)
+            shift[n * steps:(n + 1) * steps] = a[:, None, None, None] * d.float()
+            shifts[b] = shift
+        embeds = x0.expand(rows, *x0.shape[1:]).clone().requires_grad_(True)
+        rec = record_forward(model, group, embeds=embeds, measure=m, shifts=shifts)
+        for n, b in enumerate(group):
+            blk, mine = rec.blocks[b], slice(n * steps, (n + 1) * steps)
+            assert blk.grad_out is not None and blk.grad_conv is not None
+            own = attrs.evolve(blk, grad_out=blk.grad_out[mine], grad_conv=blk.grad_conv[mine])
+            out[b] = [gradients.Recording(rec.family, {b: own}, rec.result[mine])]
     return out
