@@ -30,7 +30,7 @@ from deltalang.sweep.job import measure_label
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SERVED = ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h")  # zamba2, mamba2: refused (docs/mamba2.md)
+SERVED = ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "mamba2", "zamba2")
 A, B = 5, 7  # M = logit(A) - logit(B) at the last position
 PROMPT_LEN = 13  # crosses the tiny configs' chunk of 8
 
@@ -249,7 +249,8 @@ def test_the_recorded_states_and_windows_are_the_caches(name: str) -> None:
                 _close(every[:, t], held.get_recurrent_state(i), 1e-5)
                 if t in some:
                     _close(some[t], held.get_recurrent_state(i), 1e-5)
-                _close(wins[:, t], held.get_conv_state(i)[..., 1:], 1e-6)
+                # zamba2's prefix forward moves its windows by ~1e-6 relative (its shared attention block)
+                _close(wins[:, t], held.get_conv_state(i)[..., 1:], 1e-5 if name == "zamba2" else 1e-6)
 
 
 # -- the sweep method ------------------------------------------------------------------------------------
@@ -432,7 +433,7 @@ def test_every_path_runs_on_a_mamba2_model() -> None:
         assert got.grid() != pytest.approx(plain.grid(), rel=1e-3)
 
 
-@pytest.mark.parametrize("name", ["bamba", "granitemoehybrid", "falcon_h1", "nemotron_h"])
+@pytest.mark.parametrize("name", ["bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "mamba2", "zamba2"])
 def test_the_command_line_runs_attribution_on_a_mamba2_model(name: str, tmp_path: Path) -> None:
     """`deltalang sweep --attribution` (it had stopped in a TypeError: the recorder took the scan's
     arguments for the delta rule's)."""

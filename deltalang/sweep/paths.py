@@ -69,8 +69,7 @@ def measure_of(m: ResolvedMeasure, logits: torch.Tensor) -> torch.Tensor:
 
 def _mixers(model: DeltaModel) -> Callable[[int], torch.nn.Module]:
     layers = decoder_layers(model._module)
-    attr = model.family.mixer_attr
-    return lambda i: getattr(layers[i], attr)
+    return lambda i: model.family.mixer_of(layers[i])  # where the family keeps it (zamba2: one level down)
 
 
 def record_forward(model: DeltaModel, blocks: Sequence[int], ids: torch.Tensor | None = None,
