@@ -88,38 +88,30 @@ def test_heldout_accuracy_is_the_reports(model: deltalang.DeltaModel) -> None:
     assert acc["overall"]["n"] == sum(len(world.heldout_examples(r)[::5]) for r in world.RELATIONS)
 
 
-def test_a_state_write_equals_transformers_cache(model: deltalang.DeltaModel) -> None:
-    """Every Mamba-2 block's state after 'The Eiffel Tower' replaced by the pizza prompt's: deltalang's write
-    and the same write into transformers' own cache (measure.memory_patch) give the same P(' Paris')."""
-    hf, tok = model._module, model.spec.tokenizer
-    n = len(tok("The Eiffel Tower", add_special_tokens=False).input_ids)
-    donor = tok.decode(tok(world.PIZZA_PROMPT, add_special_tokens=False).input_ids[:n])
-    got = {}
-    for mode, writes in (("state", "write L[ssm].state_after(t) from donor"),
-                         ("whole", "write L[ssm].state_after(t) from donor\n"
-                                   "    write L[ssm].conv_window_after(t) from donor")):
-        src = (f'prompt clean = "{world.EIFFEL_PROMPT}"\nprompt donor = "{donor}"\n'
-               f"trace p on clean {{\n    {writes.replace('(t)', f'({n - 1})')}\n"
-               f'    measure prob("{world.EIFFEL_ANSWER}")\n}}\n')
-        got[mode] = float(deltalang.run(src, model)[f'p.prob("{world.EIFFEL_ANSWER}")'])
-        want = float(measure.memory_patch(hf, tok, [world.EIFFEL_PROMPT], n, [world.EIFFEL_ANSWER], donor=donor,
-                                          mode=mode)[0])
-        assert got[mode] == pytest.approx(want, rel=1e-4, abs=1e-6), mode
-    assert got["state"] != got["whole"]
+def test_its_answers_live_in_its_mamba2_memory(model: deltalang.DeltaModel) -> None:
+    """Through transformers' own cache (measure.landmark_memory): every Mamba-2 block's whole memory after a
+    landmark replaced by another landmark's makes the model answer the other landmark's city; the figures are
+    the report's."""
+    got = measure.landmark_memory(model._module, model.spec.tokenizer)
+    report = _report()["landmarks"]
+    for key in ("whole_memory_halves_share", "state_only_halves_share",
+                "whole_memory_from_other_landmark_answers_donor_city_share"):
+        assert got[key] == pytest.approx(report[key], abs=1e-6), key
+    assert got["whole_memory_halves_share"] > 0.9 and got["whole_memory_from_other_landmark_answers_donor_city_share"] > 0.9
 
 
-def test_the_causal_trace_example_runs_both_grids(model: deltalang.DeltaModel) -> None:
+def test_the_causal_trace_example_runs_its_grid(model: deltalang.DeltaModel) -> None:
+    """The example on the first two records: its axes, and the corrupt run's answer moves toward the clean one
+    where a block's whole memory after the subject is restored (the normalised effect is positive somewhere)."""
     path = ROOT / "examples" / "causal_trace_mamba2.dl"
     out = deltalang.run(path.read_text(), model, filename=str(path), data={"facts": RECORDS[:2]})
     assert isinstance(out, deltalang.DatasetSweepResults)
     ssm = tuple(f"L{i}" for i in model.spec.ssm_layers())
     assert ssm == ("L0", "L1", "L2", "L4", "L5", "L6")
-    for sweep in ("state", "memory"):
-        assert out.axes[sweep] == (("L", ssm), ("t", LABELS))
-    # the window after the last token feeds no later token: there the whole memory is the state (within float
-    # noise, not bit for bit as on the delta rule: the window's write splits the convolution there too)
-    for lab in ssm:
-        assert out.values("memory", {"L": lab, "t": "-1"}, MEASURE) == pytest.approx(
-            out.values("state", {"L": lab, "t": "-1"}, MEASURE), rel=1e-4, abs=1e-4)
-    assert any(out.values("memory", {"L": lab, "t": "facts.subject"}, MEASURE)
-               != out.values("state", {"L": lab, "t": "facts.subject"}, MEASURE) for lab in ssm)
+    assert out.axes["memory"] == (("L", ssm), ("t", LABELS))
+    hf, tok = model._module, model.spec.tokenizer
+    for i, record in enumerate(RECORDS[:2]):
+        probs = measure.next_token_probs(hf, tok, [record["corrupt"]])[0].log()
+        corrupt = float(probs[measure.answer_id(tok, record["answer"])] - probs[measure.answer_id(tok, record["foil"])])
+        cells = [out.values("memory", {"L": lab, "t": "facts.subject + 1"}, MEASURE)[i] for lab in ssm]
+        assert max(cells) > corrupt + 1.0, (i, cells, corrupt)
