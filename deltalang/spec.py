@@ -100,18 +100,23 @@ class ModelSpec:
         return list(self.tokenizer(text)["input_ids"])
 
 
-def _is_bundled(name_or_path: str | Path | None) -> bool:
-    """None, or the bundled model's own name (what deltalang prints), unless a directory has that name."""
-    return name_or_path is None or (str(name_or_path) == bundled.NAME and not Path(name_or_path).exists())
+def _bundled(name_or_path: str | Path | None) -> str | None:
+    """The bundled model's name for None or a bundled name (`bundled.MODELS`), unless a directory has that name."""
+    if name_or_path is None:
+        return bundled.NAME
+    name = str(name_or_path)
+    return name if name in bundled.MODELS and not Path(name_or_path).exists() else None
 
 
 def _resolve_path(name_or_path: str | Path | None) -> str:
-    if _is_bundled(name_or_path):
-        if not (bundled.PATH / "config.json").exists():
+    name = _bundled(name_or_path)
+    if name is not None:
+        path = bundled.MODELS[name]
+        if not (path / "config.json").exists():
             raise DeltaModelError(
-                f"the bundled model is missing from {bundled.PATH}; reinstall deltalang or run "
+                f"the bundled model {name} is missing from {path}; reinstall deltalang or run "
                 f"scripts/train_bundled.py")
-        return str(bundled.PATH)
+        return str(path)
     return str(name_or_path)
 
 
@@ -208,4 +213,4 @@ def load_spec(name_or_path: str | Path | None = None, trust_remote_code: bool = 
 
 
 def _display_id(name_or_path: str | Path | None, where: str) -> str:
-    return bundled.NAME if _is_bundled(name_or_path) else where
+    return _bundled(name_or_path) or where

@@ -191,7 +191,7 @@ def test_the_readme_and_docs_show_outputs_of_every_kind() -> None:
     assert "emit" in {s.command[0] for _, s in ROOTED}
     examples = {s.command[1] for _, s in ROOTED if s.command[0] == "run"}
     assert {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.dl")
-            if not p.stem.startswith("sweep") and p.stem != "causal_trace"} <= examples
+            if not p.stem.startswith(("sweep", "causal_trace"))} <= examples
 
 
 def _page_id(item: tuple[Path, regen.Shown]) -> str:

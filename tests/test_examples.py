@@ -65,8 +65,8 @@ def model() -> deltalang.DeltaModel:
 
 
 def test_the_readme_shows_every_example() -> None:
-    # sweeps: tests/test_sweep.py; the dataset sweep causal_trace: tests/test_dataset_sweep.py
-    shown = {p.stem for p in EXAMPLES if not p.stem.startswith("sweep") and p.stem != "causal_trace"}
+    # sweeps: tests/test_sweep.py; the dataset sweeps: tests/test_dataset_sweep.py, tests/test_bundled_mamba2.py
+    shown = {p.stem for p in EXAMPLES if not p.stem.startswith(("sweep", "causal_trace"))}
     assert set(README) == shown
     assert all(README.values())
 
