@@ -234,18 +234,17 @@ def per_token_sq_norms(fam: families.Family, query: torch.Tensor, key: torch.Ten
     inner product with the sum, plus the sum's square, which needs only the keys' and corrections' Gram
     matrices within the chunk (C x C), never a [dk, dv] state per token (in float64: the terms may cancel).
     The scan over chunks keeps no chunk's starting state: each one's products are taken as it passes."""
-    k, kd, decay, cum, u0, w, S0, b, s = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
-                                                       chunk_size)
+    k, kd, decay, cum, u0, w, S0, b, s, gram = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
+                                                             chunk_size)
     bh, n, C, dk = k.shape
     u, sq0, inner = _scan_products(S0, u0, w, k, cum, decay is not None)
     e = cum.double().exp()  # [bh, n, C, 1 or dk]
-    u64 = u.double()
-    gu = u64 @ u64.transpose(-1, -2)  # [bh, n, C, C]
+    gu = (u @ u.transpose(-1, -2)).double()  # [bh, n, C, C]
     if decay is not None:  # one decay per head; inner[j] = (k_j S0) . u_j
-        d, k64, e1 = decay.double(), k.double(), e[..., 0]
+        d, e1 = decay.double(), e[..., 0]
         first = e1.square() * sq0[..., None]
         cross = 2 * e1 * (d @ inner[..., None])[..., 0]
-        last = ((d @ ((k64 @ k64.transpose(-1, -2)) * gu)) * d).sum(-1)
+        last = ((d @ (gram.double() * gu)) * d).sum(-1)
     else:  # per key channel (Kimi): kd[t, j, a] = exp(G_t - G_j)[a] k_j[a]; inner[j, a] = (S0 u_j^T)[a]
         assert kd is not None
         kd64 = kd.double()
@@ -308,21 +307,24 @@ def _chunk_system(fam: families.Family, key: torch.Tensor, value: torch.Tensor, 
     if per_head:
         c = cum[..., 0]
         decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()
-        system, kd = ((k * bb) @ k.transpose(-1, -2)) * decay, None
+        gram = k @ k.transpose(-1, -2)  # the keys' Gram matrix, [bh, n, C, C]
+        system, kd = gram * bb * decay, None
     else:
+        gram = None
         kd = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
         kd = kd * k[..., None, :, :]
         system, decay = (kd @ (k * bb)[..., None])[..., 0], None
     inverse = _inverse_unit_lower(system.tril(-1))
-    return k, kd, decay, cum, inverse @ (v * bb), inverse @ (k * bb * cum.exp()), S0.reshape(b * h, dk, dv), b, s
+    u0, w = inverse @ (v * bb), inverse @ (k * bb * cum.exp())
+    return k, kd, decay, cum, u0, w, S0.reshape(b * h, dk, dv), b, s, gram
 
 
 def _chunked(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int
              ) -> tuple[Any, ...]:
     """`per_token`'s chunked pieces without its outputs: (k, kd, decay, cum, starts, u, b, s)."""
-    k, kd, decay, cum, u0, w, S0, b, s = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
-                                                       chunk_size)
+    k, kd, decay, cum, u0, w, S0, b, s, _ = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
+                                                          chunk_size)
     starts, u = _scan(S0, u0, w, k, cum)
     return k, kd, decay, cum, starts, u, b, s
 
