@@ -75,6 +75,28 @@ def test_norms_means_and_heads_of_states_equal_the_cache(truth: Any) -> None:
         _close(r[f"t.norm(L{j}.states)"], torch.linalg.vector_norm(states[j].flatten(2), dim=-1))
 
 
+def test_a_reduction_of_one_head_runs_on_that_head_alone(truth: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`.head(k)` first: the value layer cuts the call's inputs to value head k (and its key head, keys grouped
+    two value heads to one in the tiny qwen3_5), so no other head's state is computed; a norm after it comes from
+    the squared norms, anything else from the one head's states: each equal to the cache's head k reduced."""
+    model, _, _, states = truth
+    seen: list[int] = []
+    for name in ("per_token_sq_norms", "per_token_reduced"):
+        def spy(*args: Any, _fn: Any = getattr(deltarule, name), **kw: Any) -> Any:
+            seen.append(args[3].shape[2])  # the value heads it was given
+            return _fn(*args, **kw)
+        monkeypatch.setattr(deltarule, name, spy)
+    i = model.spec.linear_layers()[0]
+    r = _run(model, f"measure norm(L{i}.states.head(3)) as n3\nread L{i}.states.head(1).norm(key_dim) as k1\n"
+                    f"read L{i}.states.head(2).norm().mean(positions) as m2\nread L{i}.states.head(0) as h0")
+    s = states[i]
+    _close(r["n3"], torch.linalg.vector_norm(s[:, :, 3], dim=(-2, -1)))
+    _close(r["k1"], torch.linalg.vector_norm(s[:, :, 1], dim=-2))
+    _close(r["m2"], torch.linalg.vector_norm(s[:, :, 2], dim=(-2, -1)).mean(dim=1))
+    _close(r["h0"], s[:, :, 0])
+    assert seen and set(seen) == {1}, seen
+
+
 def test_projection_onto_a_loaded_direction_is_the_dot_product(truth: Any, tmp_path: Path) -> None:
     model, _, _, states = truth
     i = model.spec.linear_layers()[-1]
@@ -113,11 +135,14 @@ def test_padded_invokes_reduce_their_own_positions_only() -> None:
     i = model.spec.linear_layers()[1]
     short = PROMPT[:23]
     r = deltalang.run(f'prompt a = "{PROMPT}"\nprompt b = "{short}"\ntrace ta on a {{ read L{i}.states.mean(positions) '
-                      f'as ma }}\ntrace tb on b {{ read L{i}.states.mean(positions) as mb\nread L{i}.states.norm() as nb }}\n',
+                      f'as ma }}\ntrace tb on b {{ read L{i}.states.mean(positions) as mb\nread L{i}.states.norm() as nb\n'
+                      f'read L{i}.states.head(1).norm().mean(positions) as hb\nread L{i}.states.head(3).norm() as hn }}\n',
                       model=model)
     _close(r["ma"], states[i].mean(dim=1))
     _close(r["mb"], states[i][:, :23].mean(dim=1))  # a prefix: the cache after its tokens is the same
     _close(r["nb"], torch.linalg.vector_norm(states[i][:, :23].flatten(2), dim=-1))
+    _close(r["hb"], torch.linalg.vector_norm(states[i][:, :23, 1], dim=(-2, -1)).mean(dim=1))
+    _close(r["hn"], torch.linalg.vector_norm(states[i][:, :23, 3], dim=(-2, -1)))
 
 
 class _Largest(TorchDispatchMode):
