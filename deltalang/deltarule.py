@@ -4,7 +4,8 @@
   states `[b, s, h, dk, dv]` float32): in chunks of `CHUNK` tokens, batched products, a loop over chunks
   only; `final_state=True` gives the last state alone.
 - `per_token_reduced(..., sinks)`: each group of chunks of one row handed to every sink and dropped, so the
-  `[b, s, h, dk, dv]` tensor never exists; `per_token_sq_norms` each head's squared norm after every token.
+  `[b, s, h, dk, dv]` tensor never exists; `per_token_sq_norms` each head's squared norm after every token,
+  `per_token_projections` its dot product with a direction, neither making any state per token.
 - `per_token_loop`: the same recurrence token by token (the tests' plain statement of it).
 - `final_state`: the state after the last token alone (a read's side call), one decay per head.
 - `prepare`: the kernels' own preprocessing; `read_state`: one token's read `q_t @ S`.
@@ -253,6 +254,38 @@ def per_token_sq_norms(fam: families.Family, query: torch.Tensor, key: torch.Ten
         last = torch.einsum("xntja,xntla,xnjl->xnt", kd64, kd64, gu)
     total = (first + cross + last).clamp_min(0).float()  # [bh, n, C]
     return total.reshape(b, bh // b, n * C)[:, :, :s].transpose(1, 2)
+
+
+def per_token_projections(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool,
+                          direction: torch.Tensor, chunk_size: int = CHUNK) -> torch.Tensor:
+    """Each head's state after every token dotted with `direction` `[h, dk, dv]`, `[b, s, h]` float32, without
+    the states: <S_t, D> = <E_t S0, D> + sum_j (k_j D) . u_j inside a chunk (Kimi: per key channel, through kd),
+    the chunk's starting state dotted with D as the scan passes it, k D for every chunk in one product."""
+    k, kd, decay, cum, u0, w, S0, b, s, _ = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
+                                                          chunk_size)
+    bh, n, C, dk = k.shape
+    h = bh // b
+    D = direction.to(device=k.device, dtype=torch.float32).expand(b, h, dk, -1).reshape(bh, dk, -1)
+    per_head = decay is not None
+    last = cum[:, :, -1:, :]
+    k_last = (k * (last - cum).exp()).transpose(-1, -2).contiguous()  # [bh, n, dk, C]
+    e_last = last[:, :, 0, :, None].exp()
+    u = torch.empty((n, *u0.shape[:1], C, u0.shape[-1]), dtype=torch.float32, device=u0.device)
+    dots = torch.empty((n, bh, *(() if per_head else (dk,))), dtype=torch.float32, device=u0.device)
+    S = S0
+    for i in range(n):
+        torch.baddbmm(u0[:, i], w[:, i], S, alpha=-1, out=u[i])
+        dots[i] = (S * D).sum(dim=(-2, -1) if per_head else -1)
+        S = torch.baddbmm(S * e_last[:, i], k_last[:, i], u[i])
+    u, dots, e = u.transpose(0, 1), dots.transpose(0, 1), cum.exp()
+    if per_head:
+        inner = (k @ D[:, None] * u).sum(-1)  # (k_j D) . u_j, [bh, n, C]
+        total = e[..., 0] * dots[..., None] + (decay @ inner[..., None])[..., 0]
+    else:
+        assert kd is not None
+        total = (e @ dots[..., None])[..., 0] + torch.einsum("xntja,xnja->xnt", kd, u @ D[:, None].transpose(-1, -2))
+    return total.reshape(b, h, n * C)[:, :, :s].transpose(1, 2)
 
 
 def _scan_products(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cum: torch.Tensor,

@@ -338,3 +338,25 @@ def test_check_prints_a_mean_direction_shape_and_a_wrong_one_is_located(tmp_path
         shown = info.value.render()
         want = f"{prog}:4:{col}: error: a direction of the wrong shape: mean(a) - mean(b) is {what}"
         assert shown.startswith(want), shown
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scale", [0.01, 8.0], ids=["slow-decay", "fast-decay"])
+def test_projections_without_the_states_equal_transformers_states(family: str, scale: float) -> None:
+    """`per_token_projections` (what a projection of `states` is served from: no state per token) against
+    transformers' recurrent kernel's state after every token dotted with the direction in plain torch: from a
+    non-zero initial state, grouped key heads (the gated rule's), slow and fast decays."""
+    fam = families.by_name(family)
+    b, s, h, dk, dv = 2, 83, 4, 32, 16
+    hk = h if fam.per_channel_decay else 2
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(b, s, hk, dk, generator=gen), torch.randn(b, s, hk, dk, generator=gen)
+    v = torch.randn(b, s, h, dv, generator=gen)
+    g = -torch.rand(b, s, h, *([dk] if fam.per_channel_decay else []), generator=gen) * scale
+    beta, init = torch.rand(b, s, h, generator=gen), torch.randn(b, h, dk, dv, generator=gen) * 3
+    direction = torch.randn(h, dk, dv, generator=gen)
+    want = (_kernel_states(fam, q, k, v, g, beta, init) * direction.double()).sum(dim=(-2, -1))  # [b, s, h]
+    got = deltarule.per_token_projections(fam, q, k, v, g, beta, init, True, direction)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    # dot products cancel: relative to the largest of each head's values
+    assert float(((got.double() - want).abs() / want.abs().amax(dim=1, keepdim=True)).max()) < 2e-5
