@@ -4,7 +4,8 @@
   states `[b, s, h, dk, dv]` float32): in chunks of `CHUNK` tokens, batched products, a loop over chunks
   only; `final_state=True` gives the last state alone.
 - `per_token_reduced(..., sinks)`: each group of chunks of one row handed to every sink and dropped, so the
-  `[b, s, h, dk, dv]` tensor never exists; `per_token_sq_norms` each head's squared norm after every token.
+  `[b, s, h, dk, dv]` tensor never exists; `per_token_sq_norms` each head's squared norm after every token,
+  `per_token_projections` its dot product with a direction, neither making any state per token.
 - `per_token_loop`: the same recurrence token by token (the tests' plain statement of it).
 - `final_state`: the state after the last token alone (a read's side call), one decay per head.
 - `prepare`: the kernels' own preprocessing; `read_state`: one token's read `q_t @ S`.
@@ -232,36 +233,97 @@ def per_token_sq_norms(fam: families.Family, query: torch.Tensor, key: torch.Ten
     """The squared Frobenius norm of each head's state after every token, `[b, s, h]` float32, without the
     states: with S_t = E_t S0 + sum_j kd[t, j]^T u_j inside a chunk, |S_t|^2 is |E_t S0|^2, plus twice its
     inner product with the sum, plus the sum's square, which needs only the keys' and corrections' Gram
-    matrices within the chunk (C x C), never a [dk, dv] state per token (in float64: the terms may cancel)."""
-    k, kd, decay, cum, starts, u, b, s = _chunked(fam, query, key, value, g, beta, initial_state, use_qk_l2norm,
-                                                  chunk_size)
+    matrices within the chunk (C x C), never a [dk, dv] state per token (in float64: the terms may cancel).
+    The scan over chunks keeps no chunk's starting state: each one's products are taken as it passes."""
+    k, kd, decay, cum, u0, w, S0, b, s, gram = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
+                                                             chunk_size)
     bh, n, C, dk = k.shape
-    # the products with a state in float32 (as the states themselves are), the C x C sums in float64
+    u, sq0, inner = _scan_products(S0, u0, w, k, cum, decay is not None)
     e = cum.double().exp()  # [bh, n, C, 1 or dk]
-    S0 = starts[:n].transpose(0, 1)  # [bh, n, dk, dv]
-    u64 = u.double()
-    gu = u64 @ u64.transpose(-1, -2)  # [bh, n, C, C]
-    if decay is not None:  # one decay per head
-        d, k64, e1 = decay.double(), k.double(), e[..., 0]
-        first = e1.square() * torch.linalg.vector_norm(S0, dim=(-2, -1)).double().square()[..., None]
-        cross = 2 * e1 * (d @ ((k @ S0).double() * u64).sum(-1)[..., None])[..., 0]
-        last = ((d @ ((k64 @ k64.transpose(-1, -2)) * gu)) * d).sum(-1)
-    else:  # per key channel (Kimi): kd[t, j, a] = exp(G_t - G_j)[a] k_j[a]
+    gu = (u @ u.transpose(-1, -2)).double()  # [bh, n, C, C]
+    if decay is not None:  # one decay per head; inner[j] = (k_j S0) . u_j
+        d, e1 = decay.double(), e[..., 0]
+        first = e1.square() * sq0[..., None]
+        cross = 2 * e1 * (d @ inner[..., None])[..., 0]
+        last = ((d @ (gram.double() * gu)) * d).sum(-1)
+    else:  # per key channel (Kimi): kd[t, j, a] = exp(G_t - G_j)[a] k_j[a]; inner[j, a] = (S0 u_j^T)[a]
         assert kd is not None
         kd64 = kd.double()
-        first = (e.square() @ torch.linalg.vector_norm(S0, dim=-1).double().square()[..., None])[..., 0]
-        q = (u @ S0.transpose(-1, -2)).double()  # [bh, n, C(j), dk]
-        cross = 2 * torch.einsum("xntja,xnja,xnta->xnt", kd64, q, e)
+        first = (e.square() @ sq0[..., None])[..., 0]
+        cross = 2 * torch.einsum("xntja,xnja,xnta->xnt", kd64, inner, e)
         last = torch.einsum("xntja,xntla,xnjl->xnt", kd64, kd64, gu)
     total = (first + cross + last).clamp_min(0).float()  # [bh, n, C]
     return total.reshape(b, bh // b, n * C)[:, :, :s].transpose(1, 2)
 
 
-def _chunked(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int
-             ) -> tuple[Any, ...]:
-    """`per_token`'s chunked pieces without its outputs: (k, kd, decay, cum, starts, u, b, s)."""
-    q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
+def per_token_projections(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool,
+                          direction: torch.Tensor, chunk_size: int = CHUNK) -> torch.Tensor:
+    """Each head's state after every token dotted with `direction` `[h, dk, dv]`, `[b, s, h]` float32, without
+    the states: <S_t, D> = <E_t S0, D> + sum_j (k_j D) . u_j inside a chunk (Kimi: per key channel, through kd),
+    the chunk's starting state dotted with D as the scan passes it, k D for every chunk in one product."""
+    k, kd, decay, cum, u0, w, S0, b, s, _ = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
+                                                          chunk_size)
+    bh, n, C, dk = k.shape
+    h = bh // b
+    D = direction.to(device=k.device, dtype=torch.float32).expand(b, h, dk, -1).reshape(bh, dk, -1)
+    per_head = decay is not None
+    last = cum[:, :, -1:, :]
+    k_last = (k * (last - cum).exp()).transpose(-1, -2).contiguous()  # [bh, n, dk, C]
+    e_last = last[:, :, 0, :, None].exp()
+    u = torch.empty((n, *u0.shape[:1], C, u0.shape[-1]), dtype=torch.float32, device=u0.device)
+    dots = torch.empty((n, bh, *(() if per_head else (dk,))), dtype=torch.float32, device=u0.device)
+    S = S0
+    for i in range(n):
+        torch.baddbmm(u0[:, i], w[:, i], S, alpha=-1, out=u[i])
+        dots[i] = (S * D).sum(dim=(-2, -1) if per_head else -1)
+        S = torch.baddbmm(S * e_last[:, i], k_last[:, i], u[i])
+    u, dots, e = u.transpose(0, 1), dots.transpose(0, 1), cum.exp()
+    if per_head:
+        inner = (k @ D[:, None] * u).sum(-1)  # (k_j D) . u_j, [bh, n, C]
+        total = e[..., 0] * dots[..., None] + (decay @ inner[..., None])[..., 0]
+    else:
+        assert kd is not None
+        total = (e @ dots[..., None])[..., 0] + torch.einsum("xntja,xnja->xnt", kd, u @ D[:, None].transpose(-1, -2))
+    return total.reshape(b, h, n * C)[:, :, :s].transpose(1, 2)
+
+
+def _scan_products(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cum: torch.Tensor,
+                   per_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_scan` keeping, of each chunk's starting state S0, only what a norm needs: the corrections u
+    `[bh, n, C, dv]`, |S0|^2 float64 (`[bh, n]`; per key row `[bh, n, dk]` for Kimi) and the inner products
+    with the chunk's writes, float64: (k_j S0) . u_j `[bh, n, C]` (Kimi: S0 u_j^T `[bh, n, C, dk]`).
+    One product of S0 with the chunk's `w` and `k` stacked; nothing of size `[n, dk, dv]` is kept."""
+    bh, n, C, dv = u0.shape
+    last = cum[:, :, -1:, :]  # [bh, n, 1, 1 or dk]
+    k_last = (k * (last - cum).exp()).transpose(-1, -2).contiguous()  # [bh, n, dk, C]
+    e_last = last[:, :, 0, :, None].exp()  # [bh, n, 1 or dk, 1]
+    left = torch.cat([w, k], dim=2) if per_head else w.contiguous()  # [bh, n, 2C or C, dk]
+    u = torch.empty((n, bh, C, dv), dtype=torch.float32, device=u0.device)
+    sq0 = torch.empty((n, bh, *(() if per_head else (k.shape[-1],))), dtype=torch.float64, device=u0.device)
+    inner = torch.empty((n, bh, C, *(() if per_head else (k.shape[-1],))), dtype=torch.float64, device=u0.device)
+    for i in range(n):
+        prod = torch.bmm(left[:, i], S)  # [bh, 2C or C, dv]: w S0 (and k S0)
+        torch.sub(u0[:, i], prod[:, :C], out=u[i])
+        if per_head:
+            sq0[i] = torch.linalg.vector_norm(S, dim=(-2, -1)).double().square()
+            inner[i] = (prod[:, C:] * u[i]).sum(-1, dtype=torch.float64)
+        else:
+            sq0[i] = S.square().sum(-1, dtype=torch.float64)
+            inner[i] = torch.bmm(u[i], S.transpose(-1, -2))
+        S = torch.baddbmm(S * e_last[:, i], k_last[:, i], u[i])
+    return u.transpose(0, 1), sq0.transpose(0, 1), inner.transpose(0, 1)
+
+
+def _chunk_system(fam: families.Family, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int) -> tuple[Any, ...]:
+    """`per_token`'s chunked pieces before the scan, without the queries: (k, kd, decay, cum, u0, w, S0 `[bh, dk,
+    dv]`, b, s), u0 and w the chunk's corrections before and their dependence on its starting state."""
+    heads = value.shape[-2]
+    if key.shape[-2] != heads:
+        key = key.repeat_interleave(heads // key.shape[-2], dim=2)
+    k = _normed(fam, key.transpose(1, 2).to(torch.float32).contiguous(), use_qk_l2norm)
+    v, gg, bb = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (value, g, beta))
     b, h, s, dk = k.shape
     dv = v.shape[-1]
     S0 = _start_state(initial_state, (b, h, dk, dv), v.device)
@@ -278,13 +340,25 @@ def _chunked(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value
     if per_head:
         c = cum[..., 0]
         decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()
-        system, kd = ((k * bb) @ k.transpose(-1, -2)) * decay, None
+        gram = k @ k.transpose(-1, -2)  # the keys' Gram matrix, [bh, n, C, C]
+        system, kd = gram * bb * decay, None
     else:
+        gram = None
         kd = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
         kd = kd * k[..., None, :, :]
         system, decay = (kd @ (k * bb)[..., None])[..., 0], None
     inverse = _inverse_unit_lower(system.tril(-1))
-    starts, u = _scan(S0.reshape(b * h, dk, dv), inverse @ (v * bb), inverse @ (k * bb * cum.exp()), k, cum)
+    u0, w = inverse @ (v * bb), inverse @ (k * bb * cum.exp())
+    return k, kd, decay, cum, u0, w, S0.reshape(b * h, dk, dv), b, s, gram
+
+
+def _chunked(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int
+             ) -> tuple[Any, ...]:
+    """`per_token`'s chunked pieces without its outputs: (k, kd, decay, cum, starts, u, b, s)."""
+    k, kd, decay, cum, u0, w, S0, b, s, _ = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
+                                                          chunk_size)
+    starts, u = _scan(S0, u0, w, k, cum)
     return k, kd, decay, cum, starts, u, b, s
 
 

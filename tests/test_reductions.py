@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deltalang
-from deltalang import deltarule, families, measures
+from deltalang import deltarule, families, kernels, measures
 from deltalang.errors import DeltaError
 from deltalang.testing import load_hf, tiny_checkpoint
 
@@ -75,6 +75,28 @@ def test_norms_means_and_heads_of_states_equal_the_cache(truth: Any) -> None:
         _close(r[f"t.norm(L{j}.states)"], torch.linalg.vector_norm(states[j].flatten(2), dim=-1))
 
 
+def test_a_reduction_of_one_head_runs_on_that_head_alone(truth: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`.head(k)` first: the value layer cuts the call's inputs to value head k (and its key head, keys grouped
+    two value heads to one in the tiny qwen3_5), so no other head's state is computed; a norm after it comes from
+    the squared norms, anything else from the one head's states: each equal to the cache's head k reduced."""
+    model, _, _, states = truth
+    seen: list[int] = []
+    for name in ("per_token_sq_norms", "per_token_reduced"):
+        def spy(*args: Any, _fn: Any = getattr(deltarule, name), **kw: Any) -> Any:
+            seen.append(args[3].shape[2])  # the value heads it was given
+            return _fn(*args, **kw)
+        monkeypatch.setattr(deltarule, name, spy)
+    i = model.spec.linear_layers()[0]
+    r = _run(model, f"measure norm(L{i}.states.head(3)) as n3\nread L{i}.states.head(1).norm(key_dim) as k1\n"
+                    f"read L{i}.states.head(2).norm().mean(positions) as m2\nread L{i}.states.head(0) as h0")
+    s = states[i]
+    _close(r["n3"], torch.linalg.vector_norm(s[:, :, 3], dim=(-2, -1)))
+    _close(r["k1"], torch.linalg.vector_norm(s[:, :, 1], dim=-2))
+    _close(r["m2"], torch.linalg.vector_norm(s[:, :, 2], dim=(-2, -1)).mean(dim=1))
+    _close(r["h0"], s[:, :, 0])
+    assert seen and set(seen) == {1}, seen
+
+
 def test_projection_onto_a_loaded_direction_is_the_dot_product(truth: Any, tmp_path: Path) -> None:
     model, _, _, states = truth
     i = model.spec.linear_layers()[-1]
@@ -113,11 +135,14 @@ def test_padded_invokes_reduce_their_own_positions_only() -> None:
     i = model.spec.linear_layers()[1]
     short = PROMPT[:23]
     r = deltalang.run(f'prompt a = "{PROMPT}"\nprompt b = "{short}"\ntrace ta on a {{ read L{i}.states.mean(positions) '
-                      f'as ma }}\ntrace tb on b {{ read L{i}.states.mean(positions) as mb\nread L{i}.states.norm() as nb }}\n',
+                      f'as ma }}\ntrace tb on b {{ read L{i}.states.mean(positions) as mb\nread L{i}.states.norm() as nb\n'
+                      f'read L{i}.states.head(1).norm().mean(positions) as hb\nread L{i}.states.head(3).norm() as hn }}\n',
                       model=model)
     _close(r["ma"], states[i].mean(dim=1))
     _close(r["mb"], states[i][:, :23].mean(dim=1))  # a prefix: the cache after its tokens is the same
     _close(r["nb"], torch.linalg.vector_norm(states[i][:, :23].flatten(2), dim=-1))
+    _close(r["hb"], torch.linalg.vector_norm(states[i][:, :23, 1], dim=(-2, -1)).mean(dim=1))
+    _close(r["hn"], torch.linalg.vector_norm(states[i][:, :23, 3], dim=(-2, -1)))
 
 
 class _Largest(TorchDispatchMode):
@@ -205,21 +230,48 @@ def test_under_generate_a_decode_step_reduces_its_one_token() -> None:
     _close(r["n.step1"], torch.linalg.vector_norm(after.flatten(1), dim=-1)[:, None])
 
 
+def _kernel_states(fam: families.Family, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    """The state after every token `[b, s, h, dk, dv]` float64, from transformers' own recurrent kernel run one
+    token at a time, each call from the last one's final state (keys repeated as 5.24's kernel repeats them)."""
+    rq, rk = (x.repeat_interleave(v.shape[2] // x.shape[2], dim=2) for x in (q, k))
+    fn, state, out = kernels.original(fam, fam.recurrent_kernel), init, []
+    for t in range(q.shape[1]):
+        part = slice(t, t + 1)
+        state = fn(rq[:, part], rk[:, part], v[:, part], g=g[:, part], beta=beta[:, part], initial_state=state,
+                   output_final_state=True, use_qk_l2norm_in_kernel=True)[1]
+        out.append(state.double())
+    return torch.stack(out, dim=1)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_head_norms_without_the_states_equal_the_states_norms(family: str) -> None:
-    """`per_token_sq_norms` (what a norm over key_dim, value_dim is served from) against the chunked states,
-    from an initial state, at a length that is no multiple of the chunk: within float32 noise."""
+@pytest.mark.parametrize("scale", [0.01, 1.0, 8.0], ids=["slow-decay", "decay", "fast-decay"])
+def test_head_norms_without_the_states_equal_transformers_states(family: str, scale: float) -> None:
+    """`per_token_sq_norms` (what a norm over key_dim, value_dim, heads is served from: the Gram algebra, no
+    state per token) against transformers' recurrent kernel's state after every token reduced in plain torch:
+    from a non-zero initial state (a continuation), grouped key heads (the gated rule's), at lengths that are no
+    multiple of the chunk, decays from almost none (the initial state's and cross terms dominate) to forgetting
+    within a few tokens (log decays down to -8 a token), at several chunk sizes."""
     fam = families.by_name(family)
-    b, s, h, dk, dv = 2, 101, 3, 32, 16
+    b, s, h, dk, dv = 2, 101, 4, 32, 16
+    hk = h if fam.per_channel_decay else 2
     gen = torch.Generator().manual_seed(1)
-    q, k = torch.randn(b, s, h, dk, generator=gen), torch.randn(b, s, h, dk, generator=gen)
+    q, k = torch.randn(b, s, hk, dk, generator=gen), torch.randn(b, s, hk, dk, generator=gen)
     v = torch.randn(b, s, h, dv, generator=gen)
-    g = -torch.rand(b, s, h, *([dk] if fam.per_channel_decay else []), generator=gen) * 0.2
-    beta, init = torch.rand(b, s, h, generator=gen), torch.randn(b, h, dk, dv, generator=gen)
-    _, every = deltarule.per_token(fam, q, k, v, g, beta, init, True)
-    sq = deltarule.per_token_sq_norms(fam, q, k, v, g, beta, init, True)
-    want = every.double().square().sum(dim=(-2, -1))
-    assert float(((sq.double() - want).abs() / want).max()) < 1e-5
+    g = -torch.rand(b, s, h, *([dk] if fam.per_channel_decay else []), generator=gen) * scale
+    beta, init = torch.rand(b, s, h, generator=gen), torch.randn(b, h, dk, dv, generator=gen) * 3
+    want = _kernel_states(fam, q, k, v, g, beta, init).square().sum(dim=(-2, -1))  # [b, s, h]
+    # measured worst (fast decay): 5e-6 at chunk 16, 9e-6 at 32, 2.2e-5 at 64, as the chunked states' own
+    # float32 noise (`per_token`'s norms: 5e-6 at 16); a wrong term of the algebra is off by O(1)
+    for chunk, tol in ((16, 1e-5), (32, 2e-5), (64, 5e-5)):
+        sq = deltarule.per_token_sq_norms(fam, q, k, v, g, beta, init, True, chunk_size=chunk)
+        assert sq.shape == want.shape and sq.dtype == torch.float32
+        assert float(((sq.double() - want).abs() / want).max()) < tol, chunk
+    # from no initial state, the first token's state is its write alone
+    sq = deltarule.per_token_sq_norms(fam, q, k, v, g, beta, None, True)
+    zero = _kernel_states(fam, q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], torch.zeros_like(init))
+    assert float(((sq[:, :20].double() - zero.square().sum(dim=(-2, -1))).abs() / zero.square().sum(dim=(-2, -1))
+                  ).max()) < 2e-5
 
 
 HAPPY = ("I am so glad to see you again today", "What a joy it is to be here")
@@ -286,3 +338,25 @@ def test_check_prints_a_mean_direction_shape_and_a_wrong_one_is_located(tmp_path
         shown = info.value.render()
         want = f"{prog}:4:{col}: error: a direction of the wrong shape: mean(a) - mean(b) is {what}"
         assert shown.startswith(want), shown
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scale", [0.01, 8.0], ids=["slow-decay", "fast-decay"])
+def test_projections_without_the_states_equal_transformers_states(family: str, scale: float) -> None:
+    """`per_token_projections` (what a projection of `states` is served from: no state per token) against
+    transformers' recurrent kernel's state after every token dotted with the direction in plain torch: from a
+    non-zero initial state, grouped key heads (the gated rule's), slow and fast decays."""
+    fam = families.by_name(family)
+    b, s, h, dk, dv = 2, 83, 4, 32, 16
+    hk = h if fam.per_channel_decay else 2
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(b, s, hk, dk, generator=gen), torch.randn(b, s, hk, dk, generator=gen)
+    v = torch.randn(b, s, h, dv, generator=gen)
+    g = -torch.rand(b, s, h, *([dk] if fam.per_channel_decay else []), generator=gen) * scale
+    beta, init = torch.rand(b, s, h, generator=gen), torch.randn(b, h, dk, dv, generator=gen) * 3
+    direction = torch.randn(h, dk, dv, generator=gen)
+    want = (_kernel_states(fam, q, k, v, g, beta, init) * direction.double()).sum(dim=(-2, -1))  # [b, s, h]
+    got = deltarule.per_token_projections(fam, q, k, v, g, beta, init, True, direction)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    # dot products cancel: relative to the largest of each head's values
+    assert float(((got.double() - want).abs() / want.abs().amax(dim=1, keepdim=True)).max()) < 2e-5

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from .state import DeltaRuleCall
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v, g, beta
+SideCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+                    torch.Tensor]  # (q, k, v, g, beta, start) -> the final state
 
 
 def read_only(call: DeltaRuleCall) -> bool:
@@ -100,7 +102,7 @@ def serve_reads(call: DeltaRuleCall, fn: Callable[..., Any], out: torch.Tensor, 
     b, s = query.shape[:2]
     invokes, every = _invokes(call, b), list(range(b))
     book = _Rows(b, s, initial)
-    padded = _pads_itself(call, fn)
+    padded, side = _pads_itself(call, fn), _side_call(call, fn, l2)  # decided once per call
     known: dict[tuple[int, int], torch.Tensor] = {}  # (position, row) -> the state after it
     pos = 0
     while pos < s:
@@ -108,11 +110,11 @@ def serve_reads(call: DeltaRuleCall, fn: Callable[..., Any], out: torch.Tensor, 
         if not asked:
             break
         wanted = {p: {r for n in names for r in _rows_of(n, invokes, every)} for p, names in asked.items()}
-        _prefetch(call, book, fn, inputs, final, known, wanted, l2, padded)  # every request parked now, together
+        _prefetch(book, side, inputs, final, known, wanted, padded)  # every request parked now, together
         p = min(asked)
         for name in call._names_at("state_after", step, p):
             rows = _rows_of(name, invokes, every)
-            _prefetch(call, book, fn, inputs, final, known, {p: set(rows)}, l2, padded)  # a worker's next request
+            _prefetch(book, side, inputs, final, known, {p: set(rows)}, padded)  # a worker's next request
             state = torch.stack([known[p, r] for r in rows])
             new = call.serve(name, state, step)
             if new is not state:  # a write: these rows' forward splits at p
@@ -136,9 +138,8 @@ def _pads_itself(call: DeltaRuleCall, fn: Callable[..., Any]) -> bool:
     return True
 
 
-def _prefetch(call: DeltaRuleCall, book: _Rows, fn: Callable[..., Any], inputs: Inputs, final: torch.Tensor,
-              known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], l2: bool,
-              padded: bool) -> None:
+def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, final: torch.Tensor,
+              known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], padded: bool) -> None:
     """The states after the wanted positions not yet known, each row's from its base: the state after the
     last token is the forward call's final state; the others come from side calls over each prefix, left-aligned
     (zeros after a part leave its state as it was) and sharing a call where that costs no extra chunk
@@ -156,27 +157,27 @@ def _prefetch(call: DeltaRuleCall, book: _Rows, fn: Callable[..., Any], inputs: 
         length = part[2] - part[1]
         calls.setdefault(-(-length // CHUNK) if padded else length, []).append(part)
     for group in calls.values():
-        states = _left_aligned(book, fn, inputs, group, l2, call)
+        states = _left_aligned(book, side, inputs, group)
         n = 0
         for rows, _, e in group:
             known.update(((e - 1, r), states[n + i]) for i, r in enumerate(rows))
             n += len(rows)
 
 
-def _final(call: DeltaRuleCall, fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           g: torch.Tensor, beta: torch.Tensor, start: torch.Tensor | None, l2: bool) -> torch.Tensor:
-    """The final state of a side call: behind transformers' own chunked torch kernel of the gated delta rule,
-    only its state's half (`deltarule.final_state`, the same bits); else the kernel itself (FLA's, KDA's, a
-    routed one), its outputs unused."""
+def _side_call(call: DeltaRuleCall, fn: Callable[..., Any], l2: bool) -> SideCall:
+    """The final state of a side call `(q, k, v, g, beta, start) -> state`: behind transformers' own chunked torch
+    kernel of the gated delta rule, only its state's half (`deltarule.final_state`, the same bits); else the
+    kernel itself (FLA's, KDA's, a routed one), its outputs unused. Decided once per forward call."""
     fam, b = call.family, kernels.backend(call.family, call.family.chunk_kernel)
     torch_only = fn is b.reference or (b.compiled is None and fn is b.fn)  # transformers' own torch function
     if not fam.per_channel_decay and torch_only and fn is not b.compiled:
-        return deltarule.final_state(fam, q, k, v, g, beta, start, l2)
-    return fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=l2)[1]
+        return lambda q, k, v, g, beta, start: deltarule.final_state(fam, q, k, v, g, beta, start, l2)
+    return lambda q, k, v, g, beta, start: fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True,
+                                              use_qk_l2norm_in_kernel=l2)[1]
 
 
-def _left_aligned(book: _Rows, fn: Callable[..., Any], inputs: Inputs, parts: list[tuple[list[int], int, int]],
-                  l2: bool, call: DeltaRuleCall) -> torch.Tensor:
+def _left_aligned(book: _Rows, side: SideCall, inputs: Inputs, parts: list[tuple[list[int], int, int]]
+                  ) -> torch.Tensor:
     """One side call over the parts (rows, start, end) stacked, each followed by zeros to the longest:
     the final states, the parts' rows in order."""
     if len(parts) == 1:
@@ -184,7 +185,7 @@ def _left_aligned(book: _Rows, fn: Callable[..., Any], inputs: Inputs, parts: li
         b = inputs[0].shape[0]
         idx: Any = slice(None) if rows == list(range(b)) else rows
         q, k, v, g, beta = (x[idx, a:e] for x in inputs)
-        return _final(call, fn, q, k, v, g, beta, book.start(rows), l2)
+        return side(q, k, v, g, beta, book.start(rows))
     width = max(e - a for _, a, e in parts)
     stacked = []
     for x in inputs:
@@ -201,7 +202,7 @@ def _left_aligned(book: _Rows, fn: Callable[..., Any], inputs: Inputs, parts: li
         start = torch.cat([x if x is not None else like.new_zeros((len(rows), *like.shape[1:]))
                            for x, (rows, _, _) in zip(starts, parts)])
     q, k, v, g, beta = stacked
-    return _final(call, fn, q, k, v, g, beta, start, l2)
+    return side(q, k, v, g, beta, start)
 
 
 def _rows_of(name: str, invokes: dict[int, list[int]] | None, every: list[int]) -> list[int]:
