@@ -7,6 +7,8 @@ chunk 256), a 512-token prompt; the scan's inputs are taken from inside the mixe
   split        `ssd.split` at t = s/2 with that scan (two calls, initial_states between)
   final        `ssd.per_token(final_state=True)`
   states       `ssd.per_token`: every token's state `[1, s, 32, 64, 128]` float32
+  reduced      `ssd.per_token_reduced`: the same states streamed into a mean over positions (one group at a time)
+  sqnorms      `ssd.per_token_sq_norms`: each head's squared state norm after every token, without the states
   loop         `ssd.per_token_loop` (token by token)
 
     python benchmarks/ssd_scan.py [--length 512] [--repeat 3] [--cases scan final ...]
@@ -21,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from deltalang import ssd, testing_ssd
+from deltalang import measures, ssd, testing_ssd
 
 
 def _mixer() -> tuple[Any, Any]:
@@ -33,6 +35,12 @@ def _mixer() -> tuple[Any, Any]:
         num_key_value_heads=4, intermediate_size=512, shared_intermediate_size=512, vocab_size=300)
     module = testing_ssd.modeling_module("granitemoehybrid")
     return module.GraniteMoeHybridMambaLayer(cfg, layer_idx=0).eval(), module
+
+
+def _reduced(a: tuple, kw: dict) -> torch.Tensor:
+    stream = measures.Reduction(("b", "s", "heads", "key_dim", "value_dim"), [("mean", ("s",))]).stream(1, a[0].shape[1])
+    ssd.per_token_reduced(*a, [stream.add], **kw)
+    return stream.result()
 
 
 def main() -> None:
@@ -64,6 +72,8 @@ def main() -> None:
         "split/al": lambda: ssd.split(original, *a, chunk, [args.length // 2 - 1], **kw),
         "final": lambda: ssd.per_token(*a, final_state=True, **kw),
         "states": lambda: ssd.per_token(*a, **kw),
+        "reduced": lambda: _reduced(a, kw),
+        "sqnorms": lambda: ssd.per_token_sq_norms(*a, **kw),
         "loop": lambda: ssd.per_token_loop(*a, **kw),
     }
     cases = {c: fn for c, fn in cases.items() if c == "scan" or args.cases is None or c in args.cases}

@@ -3,10 +3,11 @@
 The kernel dispatchers hand this transformers' `mamba2_chunk_scan` (a prompt) and
 `mamba2_selective_state_update` (a decode step, updating the cache's state in place) calls. A prompt serves
 the scan's inputs (`output_matrices` C, `input_matrices` B, `scan_inputs` x, `step_sizes`, `decay_rates` A),
-then `state_input`, `states` (`ssd.per_token`), `state_after(t)`, `head_outputs` and `state_output`. A trace
+then `state_input`, reductions of `states` (`ssd.per_token_sq_norms`, `ssd.per_token_reduced`: the
+states never all made), `states` (`ssd.per_token`), `state_after(t)`, `head_outputs` and `state_output`. A trace
 that only reads runs the scan once, unchanged; where a worker waits to write `state_after`, the scan is
 split there as `ssd.split` does (token t's output re-read from the written state). A decode step serves
-`state_input`, `state_after(0)`/`state_output` and `states`. An invoke's worker gets its own rows.
+`state_input`, `state_after(0)`/`state_output`, `states` and its reductions. An invoke's worker gets its own rows.
 Design: docs/mamba2.md.
 """
 
@@ -146,22 +147,26 @@ class SSDCall(Requests):
         return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]), state
 
     def _scan_reduced(self, inputs: list[torch.Tensor], initial: torch.Tensor | None, opts: dict, step: int) -> None:
-        """Reductions of `states` a worker waits on (`mixer.reduced`): the states computed once (`ssd.per_token`;
-        not yet a group of chunks at a time, as the delta rule's), each reduction fed them row by row."""
-        states = None
+        """Reductions of `states` a worker waits on (`mixer.reduced`), every token's state never made at once: a norm
+        over head_dim, d_state (and heads) from each head's squared norm (`ssd.per_token_sq_norms`: no state per
+        token at all), the others fed a group of chunks of one row at a time (`ssd.per_token_reduced`)."""
         while True:  # a worker asks for its next reduction once the last is served
             names = _waiting(self, step)
             if not names:
                 return
-            if states is None:
-                states = ssd.per_token(*inputs, initial_states=initial, **opts)[1]
-            b, s = states.shape[:2]
+            b, s = inputs[0].shape[:2]
             pending = _pending(self)
-            for n in names:
-                stream = pending.pop(n.split(".", 1)[1]).stream(b, s, self.pads)
-                for r in range(b):
-                    stream.add(r, 0, states[r])
-                self.serve(n, stream.result(), step)
+            asked = {n: pending.pop(n.split(".", 1)[1]) for n in names}
+            fast = [n for n, red in asked.items() if red.uses_head_norms(self.pads)]
+            if fast:
+                sq = ssd.per_token_sq_norms(*inputs, initial_states=initial, **opts)
+                for n in fast:
+                    self.serve(n, asked.pop(n).from_head_norms(sq), step)
+            streams = {n: red.stream(b, s, self.pads) for n, red in asked.items()}
+            if streams:
+                ssd.per_token_reduced(*inputs, [st.add for st in streams.values()], initial_states=initial, **opts)
+            for n, st in streams.items():
+                self.serve(n, st.result(), step)
 
     # -- a decode step -------------------------------------------------------------
 
@@ -173,6 +178,7 @@ class SSDCall(Requests):
         if new is not served:
             state.copy_(self._checked(new, tuple(state.shape), "state_input", state))
         out = fn(state, hidden_states, dt, A, B, C, D, **kw)
+        self._step_reduced(state, step)
         if self.wants("states"):
             self.serve("states", state.float().unsqueeze(1).clone(), step)
         for name in self._names_at("state_after", step, 0):
@@ -190,6 +196,19 @@ class SSDCall(Requests):
         if new is not served:
             state.copy_(self._checked(new, tuple(state.shape), "state_output", state))
         return out
+
+    def _step_reduced(self, state: torch.Tensor, step: int) -> None:
+        """Reductions of a decode step's `states`: its one token's state, `[b, 1, h, P, N]`."""
+        while True:
+            names = _waiting(self, step)
+            if not names:
+                return
+            pending = _pending(self)
+            for n in names:
+                stream = pending.pop(n.split(".", 1)[1]).stream(state.shape[0], 1)
+                for r in range(state.shape[0]):
+                    stream.add(r, 0, state[r:r + 1].float())
+                self.serve(n, stream.result(), step)
 
     # -- serving -------------------------------------------------------------------
 
