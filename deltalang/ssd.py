@@ -10,6 +10,9 @@ initial_states `[b, h, P, N]`.
   (`[t, h, P, N]`) and dropped; `per_token_sq_norms(...)` each head's squared state norm after every token
   `[b, s, h]` from Gram matrices, no state per token; both keep memory of one group, whatever the length;
 - `read_state(C_t, state, x_t, D)`: one token's output from a (replaced) state;
+- `final_state(...)`: the state's half of transformers' torch scan, its final state bit for bit (a read's side call);
+- `log_decays`, `carried`: the scan is linear in its state, so a state changed after q changes token u > q's output
+  by C_u . exp(cum_u - cum_q) change and the final state likewise (a write beside the unchanged call);
 - `split(scan, ..., positions, replace)`: the family's own scan cut at each t and continued with
   `initial_states`, the state replaced where asked; exact against an unsplit run otherwise.
 Design and measurements: docs/mamba2.md.
@@ -260,6 +263,64 @@ def per_token_sq_norms(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.T
         gram = (u64 @ u64.transpose(-1, -2)) * (B64 @ B64.transpose(-1, -2))
         out[:, i:j] = first + cross + ((d @ gram) * d).sum(-1)
     return out.clamp_min(0).float().reshape(b, h, n * c)[:, :, :s].transpose(1, 2)
+
+
+def final_state(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                chunk_size: int, *, dt_bias: torch.Tensor | None = None, initial_states: torch.Tensor | None = None,
+                dt_softplus: bool = False, dt_limit: tuple[float, float] = _NO_LIMIT, **_: Any) -> torch.Tensor:
+    """The state after the last token alone, `[b, h, P, N]` float32: the state's half of transformers' torch scan
+    (`SCAN_GLOBAL`), its operations in its order and chunking, so that the state is the scan's own final state bit
+    for bit while the outputs (the C.B products within each chunk: most of the scan's cost) are never computed.
+    A read's side call over a prefix, behind transformers' torch scan only (C is not used)."""
+    b, s, h, P = hidden_states.shape
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+    x = hidden_states.float()
+    Bh = B.float().repeat_interleave(h // B.shape[2], dim=2, output_size=h)
+    pad = (chunk_size - s % chunk_size) % chunk_size
+    x = x * dt[..., None].float()
+    a = A.to(x.dtype) * dt.float()
+    x, a, Bh = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)).reshape(b, -1, chunk_size, *t.shape[2:]) for t in (x, a, Bh))
+    cum = torch.cumsum(a.permute(0, 3, 1, 2), dim=-1)  # [b, h, chunks, c]
+    B_decay = Bh * torch.exp(cum[:, :, :, -1:] - cum).permute(0, -2, -1, 1)[..., None]
+    states = torch.einsum("bclhn,bclhp->bchpn", B_decay, x)
+    previous = (initial_states[:, None].to(dtype=states.dtype, device=states.device) if initial_states is not None
+                else torch.zeros_like(states[:, :1]))
+    states = torch.cat([previous, states], dim=1)
+    decay_chunk = torch.exp(_segment_sum(F.pad(cum[:, :, :, -1], (1, 0)))).transpose(1, 3)
+    return torch.einsum("bzch,bzhpn->bchpn", decay_chunk, states)[:, -1]
+
+
+def _segment_sum(t: torch.Tensor) -> torch.Tensor:
+    """transformers' `segment_sum`: out[..., i, j] = sum of t[..., j+1..i] for j <= i, else -inf (masked cumsums)."""
+    n = t.size(-1)
+    t = t[..., None].expand(*t.size(), n)
+    t = t.masked_fill(~torch.tril(torch.ones(n, n, device=t.device, dtype=torch.bool), diagonal=-1), 0)
+    out = torch.cumsum(t, dim=-2)
+    return out.masked_fill(~torch.tril(torch.ones(n, n, device=t.device, dtype=torch.bool), diagonal=0), -torch.inf)
+
+
+def log_decays(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
+               dt_limit: tuple[float, float]) -> torch.Tensor:
+    """Each token's cumulative log decay from the call's start, `[b, s, h]` float64 (so that differences of
+    far-apart positions keep their digits): a state added after token q reaches token u scaled by
+    exp(cum[u] - cum[q])."""
+    return (A.double() * step_sizes(dt, dt_bias, dt_softplus, dt_limit).double()).cumsum(dim=1)
+
+
+def carried(C: torch.Tensor, cum: torch.Tensor, change: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a change of the state after token q (`[b, h, P, N]`) adds, the scan being linear in its state: to the
+    outputs of tokens q+1.. `[b, s-q-1, h, P]` float32 (C_u . exp(cum[u] - cum[q]) change), and to the final state."""
+    heads = change.shape[1]
+    scale = (cum[:, q + 1:] - cum[:, q:q + 1]).exp().float()  # [b, u, h]
+    Ch = _heads(C[:, q + 1:], heads)  # [b, u, h, N]
+    change = change.float()
+    out = torch.einsum("bhpn,buhn->buhp", change, Ch) * scale[..., None]
+    last = (cum[:, -1] - cum[:, q]).exp().float()  # [b, h]
+    return out, change * last[..., None, None]
 
 
 def per_token_loop(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
