@@ -8,7 +8,8 @@ initial_states `[b, h, P, N]`.
   with a loop over chunks only; `final_state=True` the last state alone; `per_token_loop` token by token;
 - `per_token_reduced(..., sinks)`: the same states handed to each sink a group of chunks of one row at a time
   (`[t, h, P, N]`) and dropped; `per_token_sq_norms(...)` each head's squared state norm after every token
-  `[b, s, h]` from Gram matrices, no state per token; both keep memory of one group, whatever the length;
+  `[b, s, h]` from Gram matrices, no state per token; `per_token_projected(..., direction)` each head's state
+  projected onto a direction; all keep memory of one group, whatever the length;
 - `read_state(C_t, state, x_t, D)`: one token's output from a (replaced) state;
 - `final_state(...)`: the state's half of transformers' torch scan, its final state bit for bit (a read's side call);
 - `log_decays`, `carried`: the scan is linear in its state, so a state changed after q changes token u > q's output
@@ -263,6 +264,25 @@ def per_token_sq_norms(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.T
         gram = (u64 @ u64.transpose(-1, -2)) * (B64 @ B64.transpose(-1, -2))
         out[:, i:j] = first + cross + ((d @ gram) * d).sum(-1)
     return out.clamp_min(0).float().reshape(b, h, n * c)[:, :, :s].transpose(1, 2)
+
+
+def per_token_projected(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                        C: torch.Tensor, direction: torch.Tensor, *, dt_bias: torch.Tensor | None = None,
+                        initial_states: torch.Tensor | None = None, dt_softplus: bool = False,
+                        dt_limit: tuple[float, float] = _NO_LIMIT, chunk_size: int = CHUNK, **_: Any) -> torch.Tensor:
+    """Each head's state after every token projected onto `direction` `[h, P, N]`, `<h_t, D_h>` `[b, s, h]` float32,
+    without the states: in a chunk <h_t, D> = e^G_t <S0, D> + sum_j decay[t, j] u_j^T D B_j (u = dt x), one
+    `[P, N]` product per token, never a state per token."""
+    xdt, Bh, Ch, cum, decay, S0 = _chunked(hidden_states, dt, A, B, C, dt_bias, initial_states, dt_softplus,
+                                           dt_limit, chunk_size)
+    b, s, h, P = hidden_states.shape
+    bh, n, c, N = Bh.shape
+    D = direction.to(device=xdt.device, dtype=torch.float32).expand(b, h, P, N).reshape(bh, 1, P, N)
+    q = ((xdt @ D) * Bh).sum(-1)  # [bh, n, c]: u_j^T D B_j
+    out = (decay @ q[..., None])[..., 0]
+    for i, j, starts in _groups(S0, xdt, Bh, cum, max(1, _BLOCK_BYTES // (bh * P * N * 4))):
+        out[:, i:j] += cum[:, i:j].exp() * (starts.transpose(0, 1) * D).sum(dim=(-2, -1))[..., None]
+    return out.reshape(b, h, n * c)[:, :, :s].transpose(1, 2)
 
 
 def final_state(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

@@ -2,9 +2,10 @@
 
 Ground truth: a plain transformers model of the same tiny checkpoint; its cache after the first t + 1 tokens
 holds the state after token t (`get_recurrent_state(i)`), and the same reduction is taken of those states in
-plain torch. The value layer's two reduced forms (`ssd.per_token_sq_norms` for norms over head_dim and d_state,
-`ssd.per_token_reduced` a group of chunks at a time for the rest) are also checked never to make a tensor the
-size of every token's state, and the mixer never to call `ssd.per_token` for a reduction.
+plain torch. The value layer's reduced forms (`ssd.per_token_sq_norms` for norms over head_dim and d_state,
+`ssd.per_token_projected` for projections onto a direction, `ssd.per_token_reduced` a group of chunks at a time
+for the rest) are also checked never to make a tensor the size of every token's state, and the mixer never to
+call `ssd.per_token` for a reduction.
 """
 
 from __future__ import annotations
@@ -89,15 +90,31 @@ def test_norms_means_and_heads_of_states_equal_the_cache(name: str, no_every_sta
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_projection_onto_a_direction_is_the_dot_product(name: str, tmp_path: Path, no_every_state: None) -> None:
+def test_projection_onto_a_direction_is_the_dot_product(name: str, tmp_path: Path, no_every_state: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`.project(d)` of a whole state (then maybe a mean over positions) from each head's projection
+    (`ssd.per_token_projected`: no state per token, so the streamed states are never asked for); a head's
+    projection through the stream."""
     model, _, states = _truth(name)
     i = sorted(states)[-1]
     d = model.spec.dims
     gen = torch.Generator().manual_seed(3)
     direction = torch.randn(d["heads"], d["key_dim"], d["value_dim"], generator=gen)
+    per_head = torch.randn(d["key_dim"], d["value_dim"], generator=gen)
     safetensors.torch.save_file({"d": direction}, str(tmp_path / "dir.safetensors"))
-    r = _run(model, f'read L{i}.states.project(load("{tmp_path}/dir.safetensors")) as every')
+    safetensors.torch.save_file({"d": per_head}, str(tmp_path / "head.safetensors"))
+    streamed = ssd.per_token_reduced
+
+    def refused(*a: Any, **k: Any) -> None:
+        raise AssertionError("a projection of whole states was streamed")
+    monkeypatch.setattr(ssd, "per_token_reduced", refused)
+    r = _run(model, f'read L{i}.states.project(load("{tmp_path}/dir.safetensors")) as every\n'
+                    f'read L{i}.states.project(load("{tmp_path}/dir.safetensors")).mean(positions) as mean')
     _close(r["every"], (states[i] * direction).sum(dim=(2, 3, 4)))
+    _close(r["mean"], (states[i] * direction).sum(dim=(2, 3, 4)).mean(dim=1))
+    monkeypatch.setattr(ssd, "per_token_reduced", streamed)
+    r = _run(model, f'read L{i}.states.head(2).project(load("{tmp_path}/head.safetensors")) as head')
+    _close(r["head"], (states[i][:, :, 2] * per_head).sum(dim=(2, 3)))
 
 
 def test_padded_invokes_reduce_their_own_positions_only(no_every_state: None) -> None:
@@ -175,12 +192,26 @@ def test_the_reduced_forms_never_make_every_state(monkeypatch: pytest.MonkeyPatc
         ssd.per_token_reduced(*args, [acc.add], **kw)
     with _Largest() as normed, torch.no_grad():
         sq = ssd.per_token_sq_norms(*args, **kw)
+    with _Largest() as projected, torch.no_grad():
+        ssd.per_token_projected(*args, torch.ones(h, P, N), **kw)
     every = b * s * h * P * N
-    assert streamed.largest < every // 4 and normed.largest < every // 4, (streamed.largest, normed.largest)
+    largest = (streamed.largest, normed.largest, projected.largest)
+    assert max(largest) < every // 4, largest
     with torch.no_grad():
         _, states = ssd.per_token(*args, **kw)
     _close(acc.result(), states[:, :, 1].mean(dim=1), 1e-5)
     _close(sq, states.double().square().sum(dim=(-2, -1)).float(), 1e-5)
+
+
+@pytest.mark.parametrize("chunk", [ssd.CHUNK, 5])
+def test_projections_equal_the_states_projected(chunk: int) -> None:
+    """`per_token_projected` against `per_token_loop`, from an initial state, grouped heads, a ragged length."""
+    args, kw = _inputs(2, 101, 4, 8, 12, g=2)
+    direction = torch.randn(4, 8, 12, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        _, states = ssd.per_token_loop(*args, **kw)
+        got = ssd.per_token_projected(*args, direction, chunk_size=chunk, **kw)
+    _close(got, (states * direction).sum(dim=(-2, -1)), 1e-5)
 
 
 @pytest.mark.parametrize("chunk", [ssd.CHUNK, 5])

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from .. import kernels, ssd
 from ..errors import DeltaValueError
+from ..measures import Reduction
 from .reduced import _pending, _waiting
 from .requests import Requests
 from .rows import _invokes
@@ -29,8 +30,18 @@ from .rows import _invokes
 if TYPE_CHECKING:
     from ..families import Family
 
+
+def _projected(red: Reduction, pads: list[int] | None) -> bool:
+    """Whether a reduction of `states` starts with a projection onto a direction of a whole state `[h, P, N]` (so
+    that `ssd.per_token_projected` serves it), and no later step over positions would count a row's padding."""
+    if red.axes != STATE_AXES or not red.steps or red.steps[0][0] != "project" or red.steps[0][1].dim() != 3:
+        return False
+    return not any(pads or ()) or red.keeps_positions
+
+
 # the prompt scan's inputs as served, in the mixer's forward order: (value, argument index)
 _INPUTS = (("output_matrices", 4), ("input_matrices", 3), ("scan_inputs", 0))
+STATE_AXES = ("b", "s", "heads", "key_dim", "value_dim")  # `states` as the catalogue names its axes
 
 
 class SSDCall(Requests):
@@ -162,8 +173,9 @@ class SSDCall(Requests):
 
     def _scan_reduced(self, inputs: list[torch.Tensor], initial: torch.Tensor | None, opts: dict, step: int) -> None:
         """Reductions of `states` a worker waits on (`mixer.reduced`), every token's state never made at once: a norm
-        over head_dim, d_state (and heads) from each head's squared norm (`ssd.per_token_sq_norms`: no state per
-        token at all), the others fed a group of chunks of one row at a time (`ssd.per_token_reduced`)."""
+        over head_dim, d_state (and heads) from each head's squared norm (`ssd.per_token_sq_norms`), a projection
+        onto a direction from each head's (`ssd.per_token_projected`): no state per token at all; the others fed a
+        group of chunks of one row at a time (`ssd.per_token_reduced`)."""
         while True:  # a worker asks for its next reduction once the last is served
             names = _waiting(self, step)
             if not names:
@@ -176,6 +188,10 @@ class SSDCall(Requests):
                 sq = ssd.per_token_sq_norms(*inputs, initial_states=initial, **opts)
                 for n in fast:
                     self.serve(n, asked.pop(n).from_head_norms(sq), step)
+            for n in [n for n, red in asked.items() if _projected(red, self.pads)]:
+                red = asked.pop(n)
+                x = ssd.per_token_projected(*inputs, red.steps[0][1], initial_states=initial, **opts).sum(-1)
+                self.serve(n, Reduction(("b", "s"), red.steps[1:])(x) if red.steps[1:] else x, step)
             streams = {n: red.stream(b, s, self.pads) for n, red in asked.items()}
             if streams:
                 ssd.per_token_reduced(*inputs, [st.add for st in streams.values()], initial_states=initial, **opts)
