@@ -6,7 +6,11 @@ chunk 256), a 512-token prompt; the scan's inputs are taken from inside the mixe
   scan         transformers' `mamba2_chunk_scan` alone, with its final state
   split        `ssd.split` at t = s/2 with that scan (two calls, initial_states between)
   final        `ssd.per_token(final_state=True)`
+  half         `ssd.final_state` over the prefix ..s/2: the state's half of transformers' scan (a read's side call)
+  beside       a write after s/2 as the mixer serves it: the scan unchanged, `half`, `ssd.carried`
   states       `ssd.per_token`: every token's state `[1, s, 32, 64, 128]` float32
+  reduced      `ssd.per_token_reduced`: the same states streamed into a mean over positions (one group at a time)
+  sqnorms      `ssd.per_token_sq_norms`: each head's squared state norm after every token, without the states
   loop         `ssd.per_token_loop` (token by token)
 
     python benchmarks/ssd_scan.py [--length 512] [--repeat 3] [--cases scan final ...]
@@ -21,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from deltalang import ssd, testing_ssd
+from deltalang import measures, ssd, testing_ssd
 
 
 def _mixer() -> tuple[Any, Any]:
@@ -33,6 +37,20 @@ def _mixer() -> tuple[Any, Any]:
         num_key_value_heads=4, intermediate_size=512, shared_intermediate_size=512, vocab_size=300)
     module = testing_ssd.modeling_module("granitemoehybrid")
     return module.GraniteMoeHybridMambaLayer(cfg, layer_idx=0).eval(), module
+
+
+def _reduced(a: tuple, kw: dict) -> torch.Tensor:
+    stream = measures.Reduction(("b", "s", "heads", "key_dim", "value_dim"), [("mean", ("s",))]).stream(1, a[0].shape[1])
+    ssd.per_token_reduced(*a, [stream.add], **kw)
+    return stream.result()
+
+
+def _beside(scan: Callable[..., Any], a: tuple, chunk: int, kw: dict, t: int) -> Any:
+    y, final = scan(*a, chunk, return_final_states=True, **kw)
+    at_t = ssd.final_state(*(x[:, :t + 1] if x.dim() > 1 else x for x in a), chunk, **kw)
+    cum = ssd.log_decays(a[1], a[2], kw["dt_bias"], kw["dt_softplus"], kw["dt_limit"])
+    add, add_final = ssd.carried(a[4], cum, torch.zeros_like(at_t) - at_t, t)
+    return y[:, t + 1:] + add, final + add_final
 
 
 def main() -> None:
@@ -57,13 +75,18 @@ def main() -> None:
     a, k = got["a"][:5], got["k"]
     kw = dict(D=k["D"], dt_bias=k["dt_bias"], dt_softplus=True, dt_limit=k["dt_limit"])
     chunk = k["chunk_size"]
+    t = args.length // 2
     cases: dict[str, Callable[[], Any]] = {
         "block": lambda: mixer(x),
         "scan": lambda: original(*a, chunk, return_final_states=True, **kw),
         "split": lambda: ssd.split(original, *a, chunk, [args.length // 2], **kw),
         "split/al": lambda: ssd.split(original, *a, chunk, [args.length // 2 - 1], **kw),
         "final": lambda: ssd.per_token(*a, final_state=True, **kw),
+        "half": lambda: ssd.final_state(*(x[:, :t + 1] if x.dim() > 1 else x for x in a), chunk, **kw),
+        "beside": lambda: _beside(original, a, chunk, kw, t),
         "states": lambda: ssd.per_token(*a, **kw),
+        "reduced": lambda: _reduced(a, kw),
+        "sqnorms": lambda: ssd.per_token_sq_norms(*a, **kw),
         "loop": lambda: ssd.per_token_loop(*a, **kw),
     }
     cases = {c: fn for c, fn in cases.items() if c == "scan" or args.cases is None or c in args.cases}

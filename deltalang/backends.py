@@ -1,7 +1,8 @@
 """Which implementation runs behind a transformers kernel global, and which one serves a call.
 
 `of(fn)` reads a kernel global (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`, ...) as transformers'
-hub-kernel wrapper bound it: the compiled implementation it chose (FLA, causal-conv1d) and the torch
+hub-kernel wrapper bound it: the compiled implementation it chose (FLA, causal-conv1d, mamba_ssm's
+`mamba_chunk_scan_combined` / `selective_state_update` behind a Mamba-2 family's scan globals) and the torch
 reference, or whatever else the global is. `Backend.pick(device)` is the function a call on `device` runs:
 mode `"auto"` (default) the compiled one for CUDA tensors and the reference elsewhere, `"reference"` or
 `"compiled"` one of them everywhere (`using(mode)` for a `with` block); with no compiled implementation
@@ -123,7 +124,8 @@ def _where(fn: Any) -> str:
 
 FLASH_QLA = "FlashQLA"
 FLASH_QLA_ENV = "FLA_FLASH_QLA"
-_DISTRIBUTIONS = {"fla": "flash-linear-attention", "flash_qla": "flash-qla"}
+_DISTRIBUTIONS = {"fla": "flash-linear-attention", "flash_qla": "flash-qla", "mamba_ssm": "mamba-ssm",
+                  "causal_conv1d": "causal-conv1d"}
 _PROBES: dict[tuple[str, str], str] = {}  # (package, function) -> why its import failed
 
 

@@ -3,10 +3,13 @@
 The kernel dispatchers hand this transformers' `mamba2_chunk_scan` (a prompt) and
 `mamba2_selective_state_update` (a decode step, updating the cache's state in place) calls. A prompt serves
 the scan's inputs (`output_matrices` C, `input_matrices` B, `scan_inputs` x, `step_sizes`, `decay_rates` A),
-then `state_input`, `states` (`ssd.per_token`), `state_after(t)`, `head_outputs` and `state_output`. A trace
-that only reads runs the scan once, unchanged; where a worker waits to write `state_after`, the scan is
-split there as `ssd.split` does (token t's output re-read from the written state). A decode step serves
-`state_input`, `state_after(0)`/`state_output` and `states`. An invoke's worker gets its own rows.
+then `state_input`, reductions of `states` (`ssd.per_token_sq_norms`, `ssd.per_token_reduced`: the
+states never all made), `states` (`ssd.per_token`), `state_after(t)`, `head_outputs` and `state_output`. The scan
+runs once over the whole prompt, unchanged; `state_after(t)` is the state of the scan over the prefix beside it
+(behind transformers' torch scan only its state's half: `ssd.final_state`), and a write there changes what the
+scan is linear in: token t re-read from the written state, the change carried to the later tokens' outputs and the
+final state (`ssd.carried`), in the written rows only (the others keep the call's bits). A decode step serves
+`state_input`, `state_after(0)`/`state_output`, `states` and its reductions. An invoke's worker gets its own rows.
 Design: docs/mamba2.md.
 """
 
@@ -17,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import ssd
+from .. import kernels, ssd
 from ..errors import DeltaValueError
-from .reads import read_only
+from ..measures import Reduction
 from .reduced import _pending, _waiting
 from .requests import Requests
 from .rows import _invokes
@@ -27,8 +30,18 @@ from .rows import _invokes
 if TYPE_CHECKING:
     from ..families import Family
 
+
+def _projected(red: Reduction, pads: list[int] | None) -> bool:
+    """Whether a reduction of `states` starts with a projection onto a direction of a whole state `[h, P, N]` (so
+    that `ssd.per_token_projected` serves it), and no later step over positions would count a row's padding."""
+    if red.axes != STATE_AXES or not red.steps or red.steps[0][0] != "project" or red.steps[0][1].dim() != 3:
+        return False
+    return not any(pads or ()) or red.keeps_positions
+
+
 # the prompt scan's inputs as served, in the mixer's forward order: (value, argument index)
 _INPUTS = (("output_matrices", 4), ("input_matrices", 3), ("scan_inputs", 0))
+STATE_AXES = ("b", "s", "heads", "key_dim", "value_dim")  # `states` as the catalogue names its axes
 
 
 class SSDCall(Requests):
@@ -76,30 +89,42 @@ class SSDCall(Requests):
             return fn(x[:, a:e], dt[:, a:e], A_, B[:, a:e], C[:, a:e], chunk, initial_states=state,
                       return_final_states=True, **opts, **call)
 
+        b = kernels.backend(self.family, self.family.chunk_kernel)
+        torch_only = fn is not b.compiled and (fn is b.reference or (b.compiled is None and fn is b.fn))
+
+        def side(a: int, e: int, state: torch.Tensor | None) -> torch.Tensor:
+            """The state after token e - 1 from `state` after a - 1: behind transformers' torch scan its state's
+            half alone (`ssd.final_state`, the same bits), else the kernel itself, its outputs unused."""
+            if not torch_only:
+                return run(a, e, state)[1]
+            x, dt, A_, B, C = inputs
+            return ssd.final_state(x[:, a:e], dt[:, a:e], A_, B[:, a:e], C[:, a:e], chunk, initial_states=state,
+                                   **opts)
+
         s = inputs[0].shape[1]
         self._scan_reduced(inputs, initial, opts, step)
         if self.wants("states"):
             self.serve("states", ssd.per_token(*inputs, initial_states=initial, **opts)[1], step)
-        if read_only(self):
-            y, final = run(0, s, initial)
-            y, final = self._scan_reads(run, y, final, initial, step, inputs, opts["D"])
-        else:
-            y, final = self._scan_split(run, s, initial, step, inputs, opts["D"])
+        y, final = run(0, s, initial)  # the forward's own call, unchanged
+        y, final = self._scan_after(side, y, final, initial, step, inputs, opts)
         y = self._per_token_input("head_outputs", y, step)
         new = self.serve("state_output", final, step)
         if new is not final:
             final = self._checked(new, tuple(final.shape), "state_output", final)
         return (y, final) if want_final else y
 
-    def _scan_reads(self, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], y: torch.Tensor,
+    def _scan_after(self, side: Callable[[int, int, torch.Tensor | None], torch.Tensor], y: torch.Tensor,
                     final: torch.Tensor, initial: torch.Tensor | None, step: int, inputs: list[torch.Tensor],
-                    D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every `state_after` read, from the scan over its prefix (the last position: the call's own final
-        state). A worker that writes the state it was served (`= zeros` reads it first) makes a write there:
-        token p reads the written state, the scan runs on from p + 1, later reads start from it."""
+                    opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every `state_after` request, beside the forward's unchanged call. The state after p is the scan's over
+        the prefix (`side`; the last position: the call's own final state) plus what earlier writes carried there;
+        a write at p re-reads token p of its rows from the written state and adds what the change carries to the
+        later tokens' outputs and the final state (`ssd.carried`: the scan is linear in its state). Rows that
+        write nothing keep the call's outputs bit for bit."""
         s = y.shape[1]
-        base, start = 0, initial  # where the reads' prefixes start, and the state there
-        known: dict[int, torch.Tensor] = {}
+        unchanged: dict[int, torch.Tensor] = {s - 1: final}
+        writes: list[tuple[int, torch.Tensor]] = []  # (position, the change written there)
+        cum: torch.Tensor | None = None
         done: set[str] = set()
         while True:
             asked = {p: [n for n in names if n not in done] for p, names in self.positions("state_after", step).items()}
@@ -107,61 +132,71 @@ class SSDCall(Requests):
             if not asked:
                 return y, final
             p = min(asked)
-            if p not in known:
-                known[p] = final if p == s - 1 else (run(base, p + 1, start) if p >= base else run(0, p + 1, initial))[1]
+            if p not in unchanged:
+                q = max((k for k in unchanged if k < p), default=-1)
+                unchanged[p] = side(q + 1, p + 1, unchanged[q] if q >= 0 else initial)
+            state = unchanged[p]
+            for q, change in writes:  # what the earlier writes carried to p
+                assert cum is not None
+                state = state + change * (cum[:, p] - cum[:, q]).exp().float()[..., None, None]
             for name in asked[p]:
                 done.add(name)
-                new = self._serve_rows(name, known[p], step)
-                if new is known[p]:
+                new = self._serve_rows(name, state, step)
+                if new is state:
                     continue
-                y = y.clone()  # never change a tensor a worker may hold
-                y[:, p] = ssd.read_state(inputs[4][:, p], new, inputs[0][:, p], D).to(y.dtype)
-                if p + 1 < s:
-                    tail, final = run(p + 1, s, new)
-                    y[:, p + 1:] = tail
-                else:
-                    final = new
-                base, start, known = p + 1, new, {p: new}
+                if writes and p < writes[-1][0]:
+                    raise DeltaValueError(f"L{self.layer}: a write of the state after {p} came after one after "
+                                          f"{writes[-1][0]}: write a Mamba-2 block's states in token order")
+                if cum is None:
+                    cum = ssd.log_decays(inputs[1], inputs[2], opts["dt_bias"], opts["dt_softplus"], opts["dt_limit"])
+                y, final, change = self._written(y, final, p, state, new, cum, inputs, opts["D"])
+                writes.append((p, change))
+                state = new
 
-    def _scan_split(self, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], s: int, initial: torch.Tensor | None,
-               step: int, inputs: list[torch.Tensor], D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scan in segments ending at each asked position, continued from the state there (maybe written)."""
-        pieces: list[torch.Tensor] = []
-        pos, state = 0, initial
-        while pos < s:
-            later = sorted(p for p in self.positions("state_after", step) if p >= pos)
-            end = later[0] + 1 if later else s
-            y, state = run(pos, end, state)
-            if later:
-                p = later[0]
-                for name in self._names_at("state_after", step, p):
-                    new = self._serve_rows(name, state, step)
-                    if new is not state:
-                        state = new
-                        y = y.clone()  # token p reads the state it has just written
-                        y[:, -1] = ssd.read_state(inputs[4][:, p], state, inputs[0][:, p], D).to(y.dtype)
-            pieces.append(y)
-            pos = end
-        assert state is not None
-        return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]), state
+    def _written(self, y: torch.Tensor, final: torch.Tensor, p: int, state: torch.Tensor, new: torch.Tensor,
+                 cum: torch.Tensor, inputs: list[torch.Tensor],
+                 D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The outputs and final state after `new` replaced `state` after p, in the rows it changed (new tensors:
+        never change one a worker may hold), and the change."""
+        change = new.float() - state.float()
+        rows = change.flatten(1).ne(0).any(dim=1).nonzero().flatten()
+        y, final = y.clone(), final.clone()
+        x, C = inputs[0][rows], inputs[4][rows]
+        y[rows, p] = ssd.read_state(C[:, p], new[rows], x[:, p], D).to(y.dtype)
+        if p + 1 < y.shape[1]:
+            add, add_final = ssd.carried(C, cum[rows], change[rows], p)
+            y[rows, p + 1:] = (y[rows, p + 1:].float() + add).to(y.dtype)
+            final[rows] = (final[rows].float() + add_final).to(final.dtype)
+        else:
+            final[rows] = new[rows].to(final.dtype)
+        return y, final, change
 
     def _scan_reduced(self, inputs: list[torch.Tensor], initial: torch.Tensor | None, opts: dict, step: int) -> None:
-        """Reductions of `states` a worker waits on (`mixer.reduced`): the states computed once (`ssd.per_token`;
-        not yet a group of chunks at a time, as the delta rule's), each reduction fed them row by row."""
-        states = None
+        """Reductions of `states` a worker waits on (`mixer.reduced`), every token's state never made at once: a norm
+        over head_dim, d_state (and heads) from each head's squared norm (`ssd.per_token_sq_norms`), a projection
+        onto a direction from each head's (`ssd.per_token_projected`): no state per token at all; the others fed a
+        group of chunks of one row at a time (`ssd.per_token_reduced`)."""
         while True:  # a worker asks for its next reduction once the last is served
             names = _waiting(self, step)
             if not names:
                 return
-            if states is None:
-                states = ssd.per_token(*inputs, initial_states=initial, **opts)[1]
-            b, s = states.shape[:2]
+            b, s = inputs[0].shape[:2]
             pending = _pending(self)
-            for n in names:
-                stream = pending.pop(n.split(".", 1)[1]).stream(b, s, self.pads)
-                for r in range(b):
-                    stream.add(r, 0, states[r])
-                self.serve(n, stream.result(), step)
+            asked = {n: pending.pop(n.split(".", 1)[1]) for n in names}
+            fast = [n for n, red in asked.items() if red.uses_head_norms(self.pads)]
+            if fast:
+                sq = ssd.per_token_sq_norms(*inputs, initial_states=initial, **opts)
+                for n in fast:
+                    self.serve(n, asked.pop(n).from_head_norms(sq), step)
+            for n in [n for n, red in asked.items() if _projected(red, self.pads)]:
+                red = asked.pop(n)
+                x = ssd.per_token_projected(*inputs, red.steps[0][1], initial_states=initial, **opts).sum(-1)
+                self.serve(n, Reduction(("b", "s"), red.steps[1:])(x) if red.steps[1:] else x, step)
+            streams = {n: red.stream(b, s, self.pads) for n, red in asked.items()}
+            if streams:
+                ssd.per_token_reduced(*inputs, [st.add for st in streams.values()], initial_states=initial, **opts)
+            for n, st in streams.items():
+                self.serve(n, st.result(), step)
 
     # -- a decode step -------------------------------------------------------------
 
@@ -173,6 +208,7 @@ class SSDCall(Requests):
         if new is not served:
             state.copy_(self._checked(new, tuple(state.shape), "state_input", state))
         out = fn(state, hidden_states, dt, A, B, C, D, **kw)
+        self._step_reduced(state, step)
         if self.wants("states"):
             self.serve("states", state.float().unsqueeze(1).clone(), step)
         for name in self._names_at("state_after", step, 0):
@@ -190,6 +226,19 @@ class SSDCall(Requests):
         if new is not served:
             state.copy_(self._checked(new, tuple(state.shape), "state_output", state))
         return out
+
+    def _step_reduced(self, state: torch.Tensor, step: int) -> None:
+        """Reductions of a decode step's `states`: its one token's state, `[b, 1, h, P, N]`."""
+        while True:
+            names = _waiting(self, step)
+            if not names:
+                return
+            pending = _pending(self)
+            for n in names:
+                stream = pending.pop(n.split(".", 1)[1]).stream(state.shape[0], 1)
+                for r in range(state.shape[0]):
+                    stream.add(r, 0, state[r:r + 1].float())
+                self.serve(n, stream.result(), step)
 
     # -- serving -------------------------------------------------------------------
 
