@@ -324,18 +324,6 @@ def test_a_norm_of_states_is_the_norm_of_every_cached_state() -> None:
     _close(torch.as_tensor(got).flatten(), want)
 
 
-def test_a_sweep_on_a_mamba2_model_runs_its_cells_as_programs() -> None:
-    """The sweep engine recomputes delta-rule blocks only: on a Mamba-2 model (where it had given every cell
-    0, its writes never reaching a Mamba-2 block) the reference path runs each cell as its program."""
-    from deltalang.sweep.job import fast_path_blocker
-
-    spec = deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint("bamba"))
-    text = ('prompt clean = "The tower of"\nprompt other = "A cat sat on"\ntrace base on clean {\n    read logits\n}\n'
-            'sweep s on clean over L in L[ssm], t in 0..3 {\n    write L.state_after(t) from other\n    measure kl(base)\n}\n')
-    r = deltalang.check(text, spec)
-    assert fast_path_blocker(r, r.run("s")) == "the engine does not recompute Mamba-2 blocks yet"
-
-
 def test_info_names_the_mamba2_blocks_and_what_serves_them() -> None:
     from deltalang import info
 
