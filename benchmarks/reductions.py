@@ -9,7 +9,8 @@ Side by side in one run, on a random model with Qwen3.5-0.8B's shapes (18 DeltaN
 Both sides run in one process on one model (built once: a random 0.8B model takes minutes to make on a
 shared CPU), alternating; before each run the process's high-water mark is reset (/proc/self/clear_refs),
 so each run's peak resident memory (VmHWM) is its own; times are medians over the repeats, wall and CPU.
-Targets: peak within 1.2x of plain, time within 1.3x.
+Targets: peak within 1.2x of plain, time within 1.3x. The load average before and after is printed with the
+table: on a shared machine the wall times are mostly waiting, and the CPU times are the comparison.
 
     python benchmarks/reductions.py [--tokens 1024] [--repeat 2]
 """
@@ -17,6 +18,7 @@ Targets: peak within 1.2x of plain, time within 1.3x.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import sys
@@ -89,11 +91,14 @@ def main() -> None:
     hf(ids[:, :64], logits_to_keep=1)
     assert len(norms) == 18
     got: dict[str, list[dict[str, float]]] = {k: [] for k in sides}
+    load = [os.getloadavg()[0]]
     for _ in range(args.repeat):
         for k, fn in sides.items():
             got[k].append(measured(fn))
             print(k, got[k][-1], flush=True)
-    print(f"{machine()}; {args.tokens} tokens, median of {args.repeat}, interleaved in one process")
+    load.append(os.getloadavg()[0])
+    print(f"{machine()}; {args.tokens} tokens, median of {args.repeat}, interleaved in one process; load average "
+          f"{load[0]:.1f} before, {load[1]:.1f} after (under load, read the CPU column: wall is mostly waiting)")
     t = {k: statistics.median(r["seconds"] for r in v) for k, v in got.items()}
     c = {k: statistics.median(r["cpu"] for r in v) for k, v in got.items()}
     p = {k: max(r["peak"] for r in v) for k, v in got.items()}
