@@ -206,6 +206,11 @@ def test_a_side_calls_state_is_the_kernels_own_final_state(name: str, length: in
         want = kernel(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True,
                       use_qk_l2norm_in_kernel=True)[1]
         assert torch.equal(deltarule.final_state(fam, q, k, v, g, beta, start, True), want)
-        one = deltarule.final_state(fam, q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2],
-                                    None if start is None else start[1:2], True)
-        assert torch.equal(one[0], want[1])
+        row = None if start is None else start[1:2]
+        one = deltarule.final_state(fam, q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2], row, True)
+        # a row alone is the kernel's own on that row alone, bit for bit; against the same row in a batch of 3 it
+        # is only close: on some CPUs (AMD EPYC here) the kernel itself gives other bits for a row alone (64 tokens)
+        alone = kernel(q[1:2], k[1:2], v[1:2], g=g[1:2], beta=beta[1:2], initial_state=row, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)[1]
+        assert torch.equal(one, alone)
+        torch.testing.assert_close(one[0], want[1], rtol=1e-5, atol=1e-6)
