@@ -258,6 +258,7 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     from .compiled import model_for
     from .dataset_run import FILES, load_datasets, run_dataset
     from .parse import parse
+    from .shards import wrote
 
     refuse_over_dataset(args, source, filename)  # --prompt; --align without a sweep
     t0 = time.perf_counter()
@@ -276,7 +277,7 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     if args.out is not None:
         files = out.files() if hasattr(out, "continuations") else FILES if not hasattr(out, "labels") else \
             ("collection.json", "index.jsonl", "shard-*.safetensors")
-        print(f"wrote {args.out}/: {', '.join(files)}", file=sys.stderr)
+        print(wrote(args.out, args.shard, ", ".join(files)), file=sys.stderr)  # a shard: its part, how to merge
     return 0
 
 
@@ -285,6 +286,7 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
     """`deltalang sweep FILE [--out DIR] [--resume] [--normalise ...] [--strict]` over a dataset: a mean per cell."""
     from rich.console import Console
 
+    from .shards import wrote
     from .sweep.dataset import FILES, run_dataset_sweep
 
     refuse_ignored(args, bool(getattr(args, "attribution", False)))
@@ -295,10 +297,11 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
                             engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err,
                             method="attribution" if getattr(args, "attribution", False) else None,
                             steps=getattr(args, "steps", None), refine=getattr(args, "refine", None),
-                            path=getattr(args, "path", None), align=getattr(args, "align", None), shard=args.shard)
+                            path=args.path, align=args.align, shard=args.shard, refine_from=args.refine_from)
     print(out.summary())
     if args.out is not None:
-        err.print(f"wrote {args.out}/: {', '.join(FILES)} and a heatmap per sweep and measure", highlight=False)
+        err.print(wrote(args.out, args.shard, f"{', '.join(FILES)} and a heatmap per sweep and measure",  # a refine's
+                        getattr(out, "phase", None) == "estimates"), highlight=False, soft_wrap=True)  # phase 1
     err.print(f"({time.perf_counter() - t0:.1f} s incl. model load)", highlight=False)
     return 0
 
@@ -406,15 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "and plots, as cells finish)")
             p.add_argument("--replace", action="store_true",
                            help="--out holds another program's results: delete them first (without it: refused)")
-        if name in ("run", "sweep"):
             p.add_argument("--strict", action="store_true",
                            help="over a dataset: stop at a record that does not resolve (default: leave it out)")
             p.add_argument("--shard", metavar="K/N", help="over a dataset: shard K (from 0) of N (docs/shards.md)")
-        if name == "run":
-            p.add_argument("--resume", action="store_true",
-                           help="over a dataset: continue the run in --out DIR, keeping the records done")
+            kept = "the records done (over a dataset)" if name == "run" else "its cells"
+            p.add_argument("--resume", action="store_true", help=f"continue the {name} in --out DIR, keeping {kept}")
         if name == "sweep":
-            p.add_argument("--resume", action="store_true", help="continue the sweep in --out DIR, keeping its cells")
             p.add_argument("--batch-size", type=int, default=None, help="cells per forward (default: from memory)")
             p.add_argument("--normalise", default=None, metavar="clean=RUN,corrupted=RUN",
                            help="add (patched - corrupted) / (clean - corrupted) of each logit measure")
@@ -425,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--attribution", action="store_true", help="estimate every cell from gradients")
             p.add_argument("--steps", type=int, default=None, help="attribution: points of the path (0: plain)")
             p.add_argument("--refine", type=int, default=None, help="attribution: run the top K cells exactly")
+            p.add_argument("--refine-from", metavar="DIR", help="--shard, refine: phase 2 of 2 (docs/shards.md)")
             p.add_argument("--path", default=None, choices=("blocks", "outputs", "embeddings"), help="attribution path")
         elif name == "emit":
             p.add_argument("--plan", action="store_true", help="print the plan instead of the code")

@@ -8,7 +8,8 @@ of the template is a label named as written (`s.L0`); a record's values are its 
 forward. Writes `shard-NNNNN.safetensors` (fixed-shape labels one tensor per shard, record axis first;
 per-token values per record, `t.L1.states@17`, never padded), `index.jsonl` (a record is done when its
 line is), `progress.json` first and the manifest `collection.json` last (nothing looks complete before
-it). `resume=True` continues the same program, model and shard size; a shard no index line names is
+it). `resume=True` continues the same program, model and shard size (a group of records with one not saved
+runs whole, so every record shares its forward with the same records); a shard no index line names is
 removed. The output's size is checked against the free disk first. Problems are DeltaErrors.
 """
 
@@ -341,13 +342,14 @@ def collect_groups(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
     with progress as bar:
         for n, group in enumerate(groups):
             got = first if n == 0 else run(group)
-            for r in group:
+            new = [r for r in group if r.record.index not in store.entries]  # resumed: a group rerun whole
+            for r in new:
                 i = r.record.index
                 entry = {"record": i, "line": r.record.line, "fields": dict(r.record.fields),
                          "tokens": record_tokens(r), "measures": got.measures[i]}
                 store.add(i, entry, got.values[i])
                 measures[i] = got.measures[i]
-            bar.advance(len(group), len(group))
+            bar.advance(len(new), len(new))
             if on_group is not None:
-                on_group([r.record.index for r in group])
+                on_group([r.record.index for r in new])
     return measures

@@ -6,7 +6,8 @@ padded, so a record's tokens and measures are those of its program run alone (a 
 runs that cannot be renamed apart, run alone). Returns `DatasetGeneration`: long-format `rows` (record,
 line, fields, measure, step, value; new tokens as `g.tokens` rows), `continuations`, statistics per
 measure and step; `save(DIR)` writes results.csv, continuations.jsonl, summary.csv/json, program.dl.
-`out`/`resume` save and continue group by group (`dataset_store.RecordStore`). `describe` is what
+`out`/`resume` save and continue group by group (`dataset_store.RecordStore`); a shard runs whole groups
+(`dataset_run.forward_groups`), `continuations_of` reads a part back for `merge`. `describe` is what
 `deltalang emit [--plan]` prints. `dataset_run` passes in `merge` and `stats_of` (no upward import).
 """
 
@@ -295,6 +296,12 @@ def continuations(ds: Dataset, rows: list[dict[str, Any]], tokenizer: Any) -> li
     return out
 
 
+def continuations_of(directory: Path) -> list[dict[str, Any]]:
+    """The continuations a saved generate wrote in `directory` (`continuations.jsonl`), in its order."""
+    text = (directory / "continuations.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def step_stats(rows: list[dict[str, Any]], stats: Callable[[str, list[float]], Any]) -> tuple[StepStats, ...]:
     """Per measure and step (in the rows' order), `stats`' mean, std, n and CI; token ids are not measures."""
     groups: dict[tuple[str, Any], list[float]] = {}
@@ -311,13 +318,15 @@ def _as_row(row: dict[str, Any]) -> dict[str, Any]:
                 value=float(row["value"]))
 
 
-def run_generate(program: ast.Program, ds: Dataset, resolutions: list[RecordResolution],
+def run_generate(program: ast.Program, ds: Dataset, groups: list[list[RecordResolution]],
                  skipped: tuple[tuple[int, str], ...], source: str, model: DeltaModel, *, filename: str, batch: bool,
                  out: str | Path | None, resume: bool, console: Console | None,
                  on_group: Callable[[list[int]], None] | None, merge: Callable[[list[tuple[int, Resolved]]], Resolved],
                  stats: Callable[[str, list[float]], Any]) -> DatasetGeneration:
-    """The records' generates (see the module doc); `out`/`resume`/`console`/`on_group` as `run_dataset`'s."""
-    resolutions = [attrs.evolve(r, resolved=with_tokens(r.resolved)) for r in resolutions if r.resolved is not None]
+    """The generates of `groups` (`generate_groups` of the records run; see the module doc);
+    `out`/`resume`/`console`/`on_group` as `run_dataset`'s."""
+    groups = [[attrs.evolve(r, resolved=with_tokens(r.resolved)) for r in g if r.resolved is not None] for g in groups]
+    resolutions = [r for g in groups for r in g]
     columns = ["record", "line", *ds.fields, "measure", "step", "value"]
     store = None
     if out is not None:
@@ -325,7 +334,6 @@ def run_generate(program: ast.Program, ds: Dataset, resolutions: list[RecordReso
                             records=len(ds.records))
         store = RecordStore(Path(out), meta, columns, resume)
     done = store.done if store is not None else set()
-    groups = generate_groups(resolutions, batch)
     todo = [g for g in groups if not all(r.record.index in done for r in g)]  # a group is saved whole
     per: Rows = {r.record.index: [_as_row(x) for x in store.rows_of(r.record.index)]
                  for g in groups if g not in todo for r in g} if store is not None else {}

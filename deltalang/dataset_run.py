@@ -25,7 +25,7 @@ from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_g
     prepare, run_group, slots_of
 from .collection import Collection
 from .compiled import Experiment
-from .dataset_generate import DatasetGeneration, generates, run_generate
+from .dataset_generate import DatasetGeneration, generate_groups, generates, run_generate
 from .dataset_store import RecordProgress, RecordStore, format_stats, program_meta, write_long_csv, write_summary
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, RecordsWarning, warn
@@ -179,15 +179,20 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     refuse_per_record_vectors(resolutions, source, filename)
     part = shard_of(shard)
     kind = "generate" if generates(resolutions) else "collection" if collects(resolutions) else "run"
-    resolutions, out = select(ds, resolutions, part, out, source, kind, model.spec.model_id)
+    groups, labels = forward_groups(program, resolutions, kind, batch)  # over every record: a shard takes whole ones
+    resolutions, out = select(ds, resolutions, part, out, source, kind, model.spec.model_id,
+                              [[r.record.index for r in g] for g in groups])
+    mine = {r.record.index for r in resolutions}
+    groups = [g for g in groups if g[0].record.index in mine]
     skipped = left_out(ds, resolutions, strict)
-    if generates(resolutions):  # each record's continuation and measures per step (`deltalang.dataset_generate`)
-        return run_generate(program, ds, resolutions, skipped, source, model, filename=filename, batch=batch, out=out,
-                            resume=resume, console=console, on_group=on_group, merge=merge, stats=stats_of)
-    if kind == "collection":
-        got = run_collection(program, ds, resolutions, skipped, source, model, filename=filename, batch=batch,
+    if kind == "generate":  # each record's continuation and measures per step (`deltalang.dataset_generate`)
+        got: Any = run_generate(program, ds, groups, skipped, source, model, filename=filename, batch=batch, out=out,
+                                resume=resume, console=console, on_group=on_group, merge=merge, stats=stats_of)
+    elif kind == "collection":
+        got = run_collection(program, ds, groups, labels, skipped, source, model, filename=filename, batch=batch,
                              out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes)
-        finish(out, part)
+    if kind != "run":
+        finish(None if out is None else Path(out), part)
         return got
     columns = ["record", "line", *ds.fields, "measure", "value"]
     store = None
@@ -196,7 +201,6 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                             records=len(ds.records))
         store = RecordStore(Path(out), meta, columns, resume)
     done = store.done if store is not None else set()
-    groups = record_groups([r for r in resolutions if r.resolved is not None], batch)
     todo = [g for g in groups if not all(r.record.index in done for r in g)]  # a group is saved whole
     per: dict[int, list[dict[str, Any]]] = {}
     for g in groups:
@@ -224,18 +228,32 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     return result
 
 
-def run_collection(program: ast.Program, ds: Dataset, resolutions: list[RecordResolution],
-                   skipped: tuple[tuple[int, str], ...], source: str, model: DeltaModel, *, filename: str, batch: bool,
-                   out: str | Path | None, resume: bool, console: Console | None,
-                   on_group: Callable[[list[int]], None] | None, shard_bytes: int) -> Collection:
-    """A collection (`deltalang.collect`): the records' reads written to `out` as they finish."""
+def forward_groups(program: ast.Program, resolutions: list[RecordResolution], kind: str, batch: bool) \
+        -> tuple[list[list[RecordResolution]], dict[int, dict[str, str]]]:
+    """The groups of records that share forwards, over every record that resolves, as one process forms them
+    (a collection's programs `canonical`, with their labels): a shard runs whole groups (`deltalang.shards`)."""
+    good = [r for r in resolutions if r.resolved is not None]
+    if kind == "generate":
+        return generate_groups(good, batch), {}
+    if kind == "collection":
+        todo, labels = prepare(program, good, set())
+        return record_groups(todo, batch), labels
+    return record_groups(good, batch), {}
+
+
+def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordResolution]],
+                   labels: Mapping[int, Mapping[str, str]], skipped: tuple[tuple[int, str], ...], source: str,
+                   model: DeltaModel, *, filename: str, batch: bool, out: str | Path | None, resume: bool,
+                   console: Console | None, on_group: Callable[[list[int]], None] | None,
+                   shard_bytes: int) -> Collection:
+    """A collection (`deltalang.collect`) of `groups` (`forward_groups`): the records' reads written to `out` as
+    they finish; resumed, a group with a record not done runs whole (its records share its forward)."""
     if out is None:
         raise DeltaError("a run over a dataset that reads collects every record's values into files as it goes: "
                          "give --out DIR (out= from Python)")
     meta = program_meta(source, model.spec.model_id, shard_bytes=shard_bytes, records=len(ds.records))
     store = CollectStore(Path(out), meta, resume, shard_bytes)
-    todo, labels = prepare(program, resolutions, store.done)
-    groups = record_groups(todo, batch)
+    groups = [g for g in groups if not all(r.record.index in store.done for r in g)]
 
     def run(group: list[RecordResolution]) -> Collected:
         return run_group(group, labels, lambda res: _experiment_run(source, model, filename, res, batch, ds, group),
@@ -250,7 +268,7 @@ def run_collection(program: ast.Program, ds: Dataset, resolutions: list[RecordRe
     else:
         slots = []
     store.start(slots)
-    n = sum(len(g) for g in groups)
+    n = sum(r.record.index not in store.done for g in groups for r in g)
     head = f"'{ds.name}': {n} record(s) to collect in {len(groups)} forward group(s)" + (
         f", {len(store.done)} done before" if store.done else "")
     try:

@@ -4,15 +4,15 @@
     deltalang.load_results("out/")          # the same, merged first where out/ holds parts
 
 `merge(DIR)` checks `DIR/shards.json` and every part's `done.json` (a part of another program, dataset,
-model, kind or N, or an unfinished one, is a DeltaError naming it), then writes into DIR what the
-unsharded run writes, from the parts' files alone: rows in record order with statistics over every record,
-a collection's index and manifest (written last) over every part, a dataset sweep's or attribution's cells.
-Merging again gives the same files; `shards.json` then says `merged`.
+model, kind, split or N, an unfinished one, or an attribution's part estimated but not refined, is a
+DeltaError naming it), then writes into DIR what the unsharded run writes, from the parts' files alone:
+rows in record order with statistics over every record, a generate's continuations, a collection's index
+and manifest (written last) over every part, a dataset sweep's or attribution's cells. Merging again gives
+the same files; `shards.json` then says `merged`.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -22,10 +22,11 @@ from typing import Any
 from .collect import INDEX, MANIFEST as COLLECTION
 from .collection import Collection
 from .collection import load_results as load_saved
-from .dataset_run import DatasetResults, stats_by_measure
+from .dataset_generate import DatasetGeneration, continuations_of, step_stats
+from .dataset_run import DatasetResults, stats_by_measure, stats_of
 from .datasets import Dataset, Record
 from .errors import DeltaError
-from .shards import DONE, MANIFEST, Shard, check_same, read_manifest
+from .shards import DONE, MANIFEST, Shard, check_same, read_done, read_manifest, read_rows
 from .sweep.attribution_dataset import DatasetAttribution, cell_stats
 from .sweep.dataset import Normalise, cell_results
 
@@ -48,19 +49,27 @@ def parts(top: Path) -> tuple[dict[str, Any], list[Path]]:
         if d.is_dir() and m and int(m.group(2)) != n:
             raise DeltaError(f"{d} is a part of a run split in {m.group(2)}, {top / MANIFEST} says {n}: parts of "
                              f"one run only (move it elsewhere)")
-    missing = []
+    missing, estimated, tops = [], [], set()
     for k in range(n):
         part = top / Shard(k, n).name
-        try:
-            done = json.loads((part / DONE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        done = read_done(part)
+        if done is None:
             missing.append(k)
             continue
         check_same(part, done, meta)
+        if done.get("phase") == "estimates":
+            estimated.append(k)
+        tops.add(json.dumps(done.get("top")))
     if missing:
         raise DeltaError(f"{top}: shard(s) {', '.join(f'{k}/{n}' for k in missing)} of {n} not complete (no "
                          f"{DONE} in {', '.join(Shard(k, n).name for k in missing)}): run them (--resume continues "
                          f"one that started), then merge")
+    if estimated:
+        raise DeltaError(f"{top}: shard(s) {', '.join(f'{k}/{n}' for k in estimated)} of {n} estimated but not "
+                         f"refined (phase 1 of 2): run every shard again with --refine-from {top}, then merge")
+    if len(tops) > 1:
+        raise DeltaError(f"{top}: its shards refined different top cells (their estimates changed between the "
+                         f"phases): run every shard again with --refine-from {top}, then merge")
     return meta, [top / Shard(k, n).name for k in range(n)]
 
 
@@ -72,10 +81,12 @@ def merge(directory: str | Path) -> Any:
     kind = meta["kind"]
     got: Any = None
     if header is not None:
-        fields = header[2:header.index("sweep")] if "sweep" in header else header[2:-2]
+        fields = header[2:min(header.index(c) for c in ("sweep", "measure") if c in header)]
         ds = _dataset(meta, fields)
         if kind in ("run", "collection"):
             got = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, meta["program"])
+        elif kind == "generate":
+            got = _generation(dirs, ds, rows, skipped, meta["program"])
         elif "variant" not in header:
             got = _sweep(dirs, ds, header, rows, skipped, meta["program"])
         else:  # a sweep by attribution
@@ -106,17 +117,24 @@ def _rows(dirs: list[Path]) -> tuple[list[str] | None, list[dict[str, Any]], tup
         summary = json.loads((d / "summary.json").read_text(encoding="utf-8")) if (d / "summary.json").is_file() \
             else json.loads((d / COLLECTION).read_text(encoding="utf-8"))
         skipped.extend((e["record"], e["why"]) for e in summary.get("left_out", []))
-        if not (d / "results.csv").is_file():
+        columns, got = read_rows(d)
+        if columns is None:
             continue
-        with open(d / "results.csv", newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            if header is not None and list(reader.fieldnames or []) != header:
-                raise DeltaError(f"{d / 'results.csv'} has columns {reader.fieldnames}, the first part {header}")
-            header = list(reader.fieldnames or [])
-            rows.extend({**r, "record": int(r["record"]), "line": int(r["line"]), "value": float(r["value"])}
-                        for r in reader)
+        if header is not None and columns != header:
+            raise DeltaError(f"{d / 'results.csv'} has columns {columns}, the first part {header}")
+        header = columns
+        rows.extend(got)
     rows.sort(key=lambda r: r["record"])  # stable: a record's rows keep their order
     return header, rows, tuple(sorted(skipped))
+
+
+def _generation(dirs: list[Path], ds: Dataset, rows: list[dict[str, Any]], skipped: tuple[tuple[int, str], ...],
+                program: str) -> DatasetGeneration:
+    """A generate's rows (steps as numbers) and every part's continuations, in record order."""
+    rows = [dict(r, step=int(r["step"]) if r["step"] != "" else "") for r in rows]
+    conts = [c for d in dirs for c in continuations_of(d)]
+    conts.sort(key=lambda c: c["record"])  # stable: a record's runs keep their order
+    return DatasetGeneration(ds, tuple(rows), tuple(conts), step_stats(rows, stats_of), skipped, program)
 
 
 def _summary(part: Path) -> dict[str, Any]:
@@ -145,6 +163,7 @@ def _attribution(dirs: list[Path], ds: Dataset, header: list[str], rows: list[di
                              f"shard the same steps (the default differs where a shard's records lack a path)")
     axes = tuple((v, tuple(labels)) for v, labels in first["axes"].items())
     variants = tuple(first["variants"])
+    rows = [r for r in rows if r["variant"] != "exact"] + [r for r in rows if r["variant"] == "exact"]  # as one run
     return DatasetAttribution(ds, first["sweep"], variants, first["default"], axes, tuple(rows),
                               cell_stats(rows, axes, variants), skipped, program, first["note"])
 

@@ -2,9 +2,9 @@
 
 `check_options(args)`: options that would fail only once a model is loaded or has run (`--prompt ""`,
 `--device`, `--remote`, an `--out` that cannot be written), and combinations that mean nothing (`--naive`
-with `--attribution`, `--resume` or `--replace` without `--out`). `claim_out(args, read)` claims the
-`--out` directory for the program (`results.claim_out_dir`: never results beside another program's).
-`refuse_unused_prompt` (a `--prompt` no statement uses), `refuse_shard` and `refuse_over_dataset` (`--shard`, `--align`,
+with `--attribution`, `--resume` or `--replace` without `--out`; `--refine-from DIR` is the `--out`).
+`claim_out(args, read)` claims the `--out` directory for the program (`results.claim_out_dir`: never results
+beside another program's). `refuse_unused_prompt` (a `--prompt` no statement uses), `refuse_shard` and `refuse_over_dataset` (`--shard`, `--align`,
 `--prompt` where the program would ignore them) and `refuse_ignored` (an exact sweep's options under attribution; a
 `--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
 `launch_defaults(args)`: under `torchrun` or `accelerate launch`, `--shard` from RANK/WORLD_SIZE and `--device`
@@ -70,6 +70,15 @@ def check_options(args: argparse.Namespace) -> None:
         raise DeltaError(REMOTE_REFUSAL)
     if getattr(args, "device", None) is not None and getattr(args, "device_map", None) is None:
         check_device(args.device)
+    refine_from = getattr(args, "refine_from", None)  # phase two of a sharded refine writes where phase one did
+    if refine_from is not None and getattr(args, "shard", None) is None:
+        raise DeltaError("--refine-from DIR is the second phase of an attribution with refine split by --shard: "
+                         "give --shard K/N (or run it under torchrun)")
+    if refine_from is not None and getattr(args, "out", None) is None:
+        args.out = refine_from
+    elif refine_from is not None and os.path.realpath(args.out) != os.path.realpath(refine_from):
+        raise DeltaError(f"--refine-from {refine_from} refines the parts its shards saved there: drop --out "
+                         f"{args.out}")
     if getattr(args, "out", None) is not None:
         from .results import check_out_dir
 
@@ -101,6 +110,9 @@ def refuse_shard(args: argparse.Namespace) -> None:
     if getattr(args, "shard", None) is not None:
         raise DeltaError(f"--shard {args.shard.k}/{args.shard.n} splits a run over a dataset's records; this program "
                          f"runs one prompt: drop it (under torchrun: run it in one process)")
+    if getattr(args, "refine_from", None) is not None:
+        raise DeltaError("--refine-from is the second phase of an attribution over a dataset split by --shard; this "
+                         "program runs one prompt: drop it")
     refuse_align(args)
 
 

@@ -1,19 +1,22 @@
 """A run over a dataset split across processes: which records shard K of N runs, where it writes, its marks.
 
     shard = shard_of("1/4") or from_env()        # --shard 1/4; torchrun / accelerate launch: RANK/WORLD_SIZE
-    resolutions, part = select(ds, resolutions, shard, out, source, "run", model_id)
+    resolutions, part = select(ds, resolutions, shard, out, source, "run", model_id, units)
     finish(part, shard)                           # DIR/shard-1-of-4/done.json: the shard is complete
 
-`split(tokens, n)` gives each record, in order, to the shard with the fewest tokens so far (a tie: the
-lowest number): deterministic from the records' token counts (`record_tokens`) and N, so a shard can be
-rerun alone. Shard K writes only `DIR/shard-K-of-N/` (what an unsharded run writes in DIR) and, once
-complete, its `done.json`. `DIR/shards.json` (the run's kind, program, model, dataset and N) is created by
-the first shard (`os.link`: one writer) and checked by the others; a mismatch is refused before it runs.
-`merge` reads the marks. Problems are one-line DeltaErrors. The how-to: docs/shards.md.
+The split assigns whole units: the groups of records one process runs in one forward (`units`, record
+indices; each record alone without them), so a record shares its forward with the same records whatever N
+is. `split(tokens, n)` gives each unit, the most tokens first, to the shard with the fewest tokens so far
+(ties: the earlier unit, the lowest shard): deterministic from the dataset and N, so a shard can be rerun
+alone; the manifest keeps the split's hash. Shard K writes only `DIR/shard-K-of-N/` and, once complete,
+its `done.json` (`phase`: a sharded attribution's refine runs in two). `DIR/shards.json` (the run's kind,
+program, model, dataset, split and N) is created by the first shard (`os.link`: one writer) and checked
+by the others. `read_rows` reads a part's `results.csv`. Problems are one-line DeltaErrors (docs/shards.md).
 """
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
     from .resolve import RecordResolution
 
 MANIFEST, DONE = "shards.json", "done.json"
-CHECKED = ("kind", "program_sha256", "model", "dataset_sha256", "n")
+CHECKED = ("kind", "program_sha256", "model", "dataset_sha256", "split_sha256", "n")
 
 
 @attrs.frozen
@@ -78,13 +81,13 @@ def launch_device(count: int, environ: Mapping[str, str] | None = None) -> str |
 
 
 def split(tokens: Sequence[int], n: int) -> list[int]:
-    """Each record's shard (see the module doc): greedy in record order to the shard with the fewest tokens."""
+    """Each unit's shard (see the module doc): the most tokens first, each to the shard with the fewest tokens."""
     load = [0] * n
-    out = []
-    for t in tokens:
+    out = [0] * len(tokens)
+    for i in sorted(range(len(tokens)), key=lambda j: (-tokens[j], j)):
         k = min(range(n), key=lambda j: (load[j], j))
-        load[k] += t
-        out.append(k)
+        load[k] += tokens[i]
+        out[i] = k
     return out
 
 
@@ -100,23 +103,35 @@ def dataset_sha256(ds: Dataset) -> str:
 
 
 def select(ds: Dataset, resolutions: list[RecordResolution], shard: Shard | None, out: str | Path | None,
-           source: str, kind: str, model: str) -> tuple[list[RecordResolution], Path | None]:
-    """The shard's records and where it writes (`DIR/shard-K-of-N`; `out` as it is without a shard)."""
+           source: str, kind: str, model: str, units: Sequence[Sequence[int]] | None = None, keep_done: bool = False
+           ) -> tuple[list[RecordResolution], Path | None]:
+    """The shard's records and where it writes (`DIR/shard-K-of-N`; `out` as it is without a shard). `units`: the
+    records (indices) that share forwards, which go to one shard together (a record in none: alone). The part's
+    `done.json` is removed (it runs again) unless `keep_done` (a refine's second phase reads it first)."""
     if shard is None:
         return resolutions, None if out is None else Path(out)
-    if kind == "generate":
-        raise DeltaError(f"--shard {shard.k}/{shard.n}: a generate over a dataset is not split across processes yet "
-                         f"(its parts have no merge); run it in one process")
-    mine = [r for r, k in zip(resolutions, split([record_tokens(r) for r in resolutions], shard.n)) if k == shard.k]
+    by_index = {r.record.index: r for r in resolutions}
+    grouped = [list(u) for u in units or ()]
+    seen = {i for u in grouped for i in u}
+    grouped += [[r.record.index] for r in resolutions if r.record.index not in seen]
+    cost = [len(u) * max(record_tokens(by_index[i]) for i in u) for u in grouped]  # padded tokens
+    chosen = {i for u, k in zip(grouped, split(cost, shard.n)) if k == shard.k for i in u}
+    mine = [r for r in resolutions if r.record.index in chosen]
+    if not mine and kind == "sweep":  # a sweep's records, split one by one, are fewer than the shards
+        raise DeltaError(f"--shard {shard.k}/{shard.n}: {len(resolutions)} record(s) split in {shard.n} shards leave "
+                         f"this one none: run at most {len(resolutions)} shards")
     if out is None:
         return mine, None
     top = Path(out)
+    order = sorted(grouped, key=lambda u: u[0])
     meta = {"kind": kind, "program_sha256": hashlib.sha256(source.encode()).hexdigest(), "model": model,
-            "dataset_sha256": dataset_sha256(ds), "n": shard.n, "program": source,
+            "dataset_sha256": dataset_sha256(ds), "n": shard.n,
+            "split_sha256": hashlib.sha256(json.dumps(order).encode()).hexdigest(), "program": source,
             "dataset": {"name": ds.name, "origin": ds.origin, "lines": [r.line for r in ds.records]}}
     _claim(top, meta)
     part = top / shard.name
-    (part / DONE).unlink(missing_ok=True)
+    if not keep_done:
+        (part / DONE).unlink(missing_ok=True)
     return mine, part
 
 
@@ -151,7 +166,8 @@ def check_same(where: Path, old: Mapping[str, Any], new: Mapping[str, Any]) -> N
     for key in CHECKED:
         if old.get(key) != new.get(key):
             what = {"kind": "kind of run", "program_sha256": "program", "dataset_sha256": "dataset",
-                    "n": "number of shards"}.get(key, key)
+                    "split_sha256": "split of the records (records sharing forwards: give every shard the same "
+                                    "options)", "n": "number of shards"}.get(key, key)
             raise DeltaError(f"{where} holds parts of a run with another {what} ({_short(old.get(key))}, this one "
                              f"{_short(new.get(key))}): shards of one run only; give another --out")
 
@@ -160,12 +176,48 @@ def _short(v: Any) -> str:
     return repr(v[:12] + "...") if isinstance(v, str) and len(v) == 64 else repr(v)
 
 
-def finish(part: Path | None, shard: Shard | None) -> None:
-    """Mark shard `shard`'s part complete (after its files are written): its own `done.json`."""
+def finish(part: Path | None, shard: Shard | None, **extra: Any) -> None:
+    """Mark shard `shard`'s part complete (after its files are written): its own `done.json` (with `extra`)."""
     if part is None or shard is None:
         return
     meta = read_manifest(part.parent)
-    done = {key: meta[key] for key in CHECKED} | {"k": shard.k}
+    done = {key: meta.get(key) for key in CHECKED} | {"k": shard.k} | extra
     tmp = part / (DONE + ".tmp")
     tmp.write_text(json.dumps(done, indent=1), encoding="utf-8")
     os.replace(tmp, part / DONE)
+
+
+def read_done(part: Path) -> dict[str, Any] | None:
+    """A part's `done.json`, or None where it has none (or one that does not parse)."""
+    try:
+        return json.loads((part / DONE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def wrote(out: str | Path, shard: Shard | None, files: str, estimated: bool = False) -> str:
+    """The line a command ends with: where it wrote (`out`, the --out DIR; a shard's part in it) and, for a shard,
+    how many parts are done and what next (`estimated`: a refine's first phase; every shard runs again)."""
+    if shard is None:
+        return f"wrote {out}/: {files}"
+    top = Path(out)
+    dones = [read_done(top / Shard(k, shard.n).name) for k in range(shard.n)]
+    if estimated:
+        count = sum(d is not None for d in dones)
+        then = (f"{count} of {shard.n} shards estimated; once all are, run each again with --refine-from {top} "
+                f"(phase 2 of 2), then `deltalang merge {top}`")
+    else:
+        count = sum(d is not None and d.get("phase") != "estimates" for d in dones)
+        then = f"all {shard.n} shards done: `deltalang merge {top}`" if count == shard.n else \
+            f"{count} of {shard.n} shards done; once all are, `deltalang merge {top}`"
+    return f"wrote {top / shard.name}/ (shard {shard.k}/{shard.n}): {files}; {then}"
+
+
+def read_rows(part: Path) -> tuple[list[str] | None, list[dict[str, Any]]]:
+    """A part's `results.csv`: its header and rows (record and line ints, value a float); (None, []) without one."""
+    if not (part / "results.csv").is_file():
+        return None, []
+    with open(part / "results.csv", newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        rows = [{**r, "record": int(r["record"]), "line": int(r["line"]), "value": float(r["value"])} for r in reader]
+        return list(reader.fieldnames or []), rows

@@ -1,21 +1,20 @@
 """Runs over a dataset split across processes (`--shard`, torchrun) and merged, against the one-process run.
 
-The split (`deltalang.shards.split`) is checked against its definition (each record to the shard with the
-fewest tokens so far). A dataset run, a dataset sweep and a collection run as 2 and 3 processes under
-`torchrun --nproc_per_node` on this CPU (each process its shard from RANK/WORLD_SIZE, no collective),
-merged by `deltalang merge`, must give what the one-process run gives. A sweep runs each record alone, so
-its files are the same bytes; a run and a collection share forwards among a shard's records, and a record
-in a left-padded forward of other records differs from itself alone in float32 rounding (1 ulp measured:
-3e-8 of 0.13), so their numbers are compared to float32 rounding, and byte for byte with `batch=False`.
-The merge itself is exact: its rows are the parts' rows, its statistics `stats_of` over them. A killed
-shard resumes; a missing or mismatched shard is one line.
+The split (`deltalang.shards.split`) is checked against its definition (each unit, the most tokens first,
+to the shard with the fewest tokens so far). A dataset run, a collection and a generate over 72 records
+(records share forwards in groups of up to 32), a dataset sweep and an attribution with refine (two phases)
+run as 2 and 3 processes under `torchrun --nproc_per_node` on this CPU (each process its shard from
+RANK/WORLD_SIZE, no collective), merged by `deltalang merge`, must give exactly what the one-process run
+gives: the same bytes in every file and every collected tensor `torch.equal`, since a shard runs whole
+groups of records, each record sharing its forward with the same records as in one process (a record in
+a left-padded forward of others differs from itself alone in float32 rounding). The merge itself is exact:
+its rows are the parts' rows, its statistics `stats_of` over them. A killed shard resumes (a collection
+too, its group rerun whole); a missing or mismatched shard is one line.
 """
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import os
 import random
 import shutil
@@ -30,20 +29,24 @@ import deltalang
 from deltalang.bundled import PATH as BUNDLED
 from deltalang.cli import main
 from deltalang.collection import load_results as load_saved
-from deltalang.dataset_run import stats_of
+from deltalang.dataset_run import run_dataset, stats_of
 from deltalang.errors import DeltaError
-from deltalang.shards import Shard, from_env, launch_device, shard_of, split
+from deltalang.shards import Shard, from_env, launch_device, read_rows, shard_of, split
 
 ROOT = Path(__file__).parents[1]
-RECORDS = [json.loads(line) for line in (ROOT / "examples" / "data" / "landmarks.jsonl").read_text().splitlines()][:5]
+LANDMARKS = [json.loads(line) for line in (ROOT / "examples" / "data" / "landmarks.jsonl").read_text().splitlines()]
+RECORDS = LANDMARKS[:5]
+# 72 records of several lengths: more than one group of records sharing forwards (`dataset_run.MAX_GROUP`, 32)
+MANY = [dict(r, prompt=pre + r["prompt"], corrupt=pre + r["corrupt"])
+        for pre in ("", "The city: ", "The city of Paris, ") for r in LANDMARKS]
 PROGRAMS = {
-    "run": """dataset facts = "facts.jsonl"
+    "run": """dataset facts = "many.jsonl"
 trace t on facts {
     measure logit_diff(facts.answer, facts.foil)
     measure prob(facts.answer)
 }
 """,
-    "collect": """dataset facts = "facts.jsonl"
+    "collect": """dataset facts = "many.jsonl"
 trace t on facts {
     read L[linear].state_after(facts.subject) as s
     read L1.states
@@ -56,17 +59,29 @@ sweep s on facts.corrupt over L in L[0,4], t in facts.subject, -1 {
     measure logit_diff(facts.answer, facts.foil)
 }
 """,
+    "generate": """dataset facts = "many.jsonl"
+generate g on facts max_new_tokens 2 {
+    measure prob(facts.answer)
 }
-COMMAND = {"run": "run", "collect": "run", "sweep": "sweep"}
+""",
+    "refine": """dataset facts = "facts.jsonl"
+sweep s on facts over L in L[linear], t in facts.subject, -1 method attribution steps 2 refine 3 {
+    write L.state_after(t) from facts.corrupt
+    measure logit_diff(facts.answer, facts.foil)
+}
+""",
+}
+COMMAND = {"run": "run", "collect": "run", "sweep": "sweep", "generate": "run", "refine": "sweep"}
 FILES = ("results.csv", "summary.csv", "summary.json", "program.dl")
+MERGED = {"generate": ("results.csv", "continuations.jsonl", "summary.csv", "summary.json", "program.dl"),
+          "collect": (*FILES, "collection.json")}
 needs_model = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 
-# each process of a torchrun job: every program, its shard from RANK/WORLD_SIZE (no --shard given)
-WORKER = """import sys
+# each process of a torchrun job: each command line, its shard from RANK/WORLD_SIZE (no --shard given)
+WORKER = """import json, sys
 from deltalang.cli import main
-base, out = sys.argv[1], sys.argv[2]
-for name, command in {commands}.items():
-    code = main([command, f"{{base}}/{{name}}.dl", "--out", f"{{out}}/{{name}}"])
+for argv in json.loads(sys.argv[1]):
+    code = main(argv)
     if code:
         sys.exit(code)
 """
@@ -83,14 +98,16 @@ def test_the_split_is_greedy_by_tokens_deterministic_and_balanced() -> None:
             got = split(tokens, n)
             assert got == split(list(tokens), n)  # a function of the tokens and N only
             load = [0] * n
-            for t, k in zip(tokens, got, strict=True):  # the definition: to the least-loaded, lowest on a tie
+            order = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))  # the most tokens first
+            for i in order:  # the definition: to the least-loaded, lowest on a tie
+                k = got[i]
                 assert load[k] == min(load) and k == load.index(min(load))
-                load[k] += t
-            assert max(load) - min(load) <= max(tokens)  # within one record's tokens
+                load[k] += tokens[i]
+            assert max(load) - min(load) <= max(tokens)  # within one unit's tokens
 
-    tokens = [100, 1] * 10  # dealt out one by one, shard 0 would get every long record
+    tokens = [100, 1] * 10  # dealt out one by one, shard 0 would get every long unit
     load = [sum(t for t, k in zip(tokens, split(tokens, 2)) if k == j) for j in range(2)]
-    assert abs(load[0] - load[1]) <= 100 and sum(load) == sum(tokens)
+    assert abs(load[0] - load[1]) <= 1 and sum(load) == sum(tokens)
 
 
 def test_a_shard_is_named_given_or_from_a_launcher() -> None:
@@ -114,19 +131,20 @@ def test_a_shard_is_named_given_or_from_a_launcher() -> None:
 def _programs(tmp: Path) -> Path:
     base = tmp / "programs"
     base.mkdir(parents=True, exist_ok=True)
-    (base / "facts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS), encoding="utf-8")
+    for name, records in (("facts.jsonl", RECORDS), ("many.jsonl", MANY)):
+        (base / name).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     for name, text in PROGRAMS.items():
         (base / f"{name}.dl").write_text(text, encoding="utf-8")
     return base
 
 
-def _torchrun(base: Path, out: Path, n: int) -> None:
+def _torchrun(base: Path, argvs: list[list[str]], n: int) -> None:
     script = base / "worker.py"
-    script.write_text(WORKER.format(commands=COMMAND), encoding="utf-8")
+    script.write_text(WORKER, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     got = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                          str(script), str(base), str(out)], capture_output=True, text=True, env=env, timeout=900)
+                          str(script), json.dumps(argvs)], capture_output=True, text=True, env=env, timeout=900)
     assert got.returncode == 0, got.stderr[-3000:]
 
 
@@ -142,7 +160,8 @@ def one_thread() -> object:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """The programs' outputs: 1 (one process, no shard), 2 and 3 (torchrun, before merging)."""
+    """The programs' outputs: 1 (one process, no shard), 2 and 3 (torchrun, before merging). The refine runs as 2
+    processes only, in two phases: estimates, then `--refine-from` (two torchrun jobs)."""
     tmp = tmp_path_factory.mktemp("shards")
     base = _programs(tmp)
     outs = {1: tmp / "one"}
@@ -150,58 +169,38 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
         assert main([command, str(base / f"{name}.dl"), "--out", str(tmp / "one" / name)]) == 0
     for n in (2, 3):
         outs[n] = tmp / f"torchrun{n}"
-        _torchrun(base, outs[n], n)
+        _torchrun(base, [[command, str(base / f"{name}.dl"), "--out", str(outs[n] / name)]
+                         for name, command in COMMAND.items() if n == 2 or name != "refine"], n)
+    _torchrun(base, [["sweep", str(base / "refine.dl"), "--refine-from", str(outs[2] / "refine")]], 2)
     return outs
 
 
-def _close(a: object, b: object) -> bool:
-    """Equal, numbers to float32 rounding (a record batched with others vs alone)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float):
-        return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) or (math.isnan(a) and math.isnan(b))
-    return a == b
-
-
-def _csv(path: Path) -> list[dict[str, object]]:
-    def number(v: str) -> object:
-        try:
-            return float(v) if any(c in v for c in ".en") else v
-        except ValueError:
-            return v
-    return [{k: number(v) for k, v in r.items()} for r in csv.DictReader(open(path, newline="", encoding="utf-8"))]
-
-
-def _same_numbers(one: Path, merged: Path) -> None:
-    assert (one / "program.dl").read_bytes() == (merged / "program.dl").read_bytes()
-    for f in ("results.csv", "summary.csv"):
-        assert (one / f).read_text().splitlines()[0] == (merged / f).read_text().splitlines()[0]
-        assert _close(_csv(one / f), _csv(merged / f)), f
-    assert _close(json.loads((one / "summary.json").read_text()), json.loads((merged / "summary.json").read_text()))
+def _names(n: int) -> list[str]:
+    return [name for name in COMMAND if n == 2 or name != "refine"]
 
 
 def _merge_is_exact(top: Path, n: int) -> None:
     """The merged rows are the parts' rows in record order; its statistics are `stats_of` over them, exactly."""
-    parts = [r for k in range(n) for r in _csv(top / f"shard-{k}-of-{n}" / "results.csv")]
-    rows = _csv(top / "results.csv")
-    assert rows == sorted(parts, key=lambda r: int(r["record"]))  # type: ignore[arg-type]
-    for m in json.loads((top / "summary.json").read_text())["measures"]:
-        want = stats_of(m["measure"], [float(r["value"]) for r in rows if r["measure"] == m["measure"]])
+    parts = [r for k in range(n) for r in read_rows(top / f"shard-{k}-of-{n}")[1]]
+    rows = read_rows(top)[1]
+    assert rows == sorted(parts, key=lambda r: int(r["record"]))
+    for m in json.loads((top / "summary.json").read_text())["measures"]:  # a generate's: per measure and step
+        want = stats_of(m["measure"], [r["value"] for r in rows if r["measure"] == m["measure"]
+                                       and str(r.get("step", "")) == str(m.get("step", ""))])
         assert [m[k] for k in ("mean", "std", "n", "ci_low", "ci_high")] == \
             [getattr(want, k) for k in ("mean", "std", "n", "ci_low", "ci_high")]
 
 
 def _same_collection(a: Path, b: Path) -> None:
+    """Every collected tensor equal (`torch.equal`), the index's records and measures the same."""
     one, merged = deltalang.load_results(a), deltalang.load_results(b)
-    assert len(one) == len(merged) == len(RECORDS) and one.labels == merged.labels
+    assert len(one) == len(merged) == len(MANY) and one.labels == merged.labels
     for i in range(len(one)):
         (ra, va), (rb, vb) = one[i], merged[i]
         assert ra == rb and va.keys() == vb.keys()
         for k in va:
-            torch.testing.assert_close(va[k], vb[k], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(one.stack("s"), merged.stack("s"), rtol=1e-5, atol=1e-6)
+            assert torch.equal(va[k], vb[k]), (i, k)
+    assert torch.equal(one.stack("s"), merged.stack("s"))
     cols = ["shard", "row"]
     assert one.to_pandas().drop(columns=cols).equals(merged.to_pandas().drop(columns=cols))
 
@@ -210,7 +209,7 @@ def _same_collection(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("n", [2, 3])
 def test_torchrun_processes_merged_equal_one_process(runs: dict[int, Path], n: int,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    for name in COMMAND:
+    for name in _names(n):
         top = runs[n] / name
         parts = sorted(p.name for p in top.iterdir() if p.is_dir())
         assert parts == [f"shard-{k}-of-{n}" for k in range(n)]
@@ -219,25 +218,30 @@ def test_torchrun_processes_merged_equal_one_process(runs: dict[int, Path], n: i
         with pytest.raises(DeltaError, match="not merged"):  # the parts alone are not results
             load_saved(top)
         assert main(["merge", str(top)]) == 0
-        if name == "sweep":  # each record alone: the same bytes
-            for f in FILES:
+        for f in MERGED.get(name, FILES):  # every record's forward shared with the same records: the same bytes
+            if f != "collection.json":
                 assert (top / f).read_bytes() == (runs[1] / name / f).read_bytes(), (name, f)
-        else:
-            _same_numbers(runs[1] / name, top)
+        if name in ("run", "collect", "generate"):
             _merge_is_exact(top, n)
     _same_collection(runs[1] / "collect", runs[n] / "collect")
     table = deltalang.load_results(runs[n] / "sweep").to_pandas()
     assert sorted(set(table["record"])) == list(range(len(RECORDS)))
+    if n == 2:
+        exact = deltalang.load_results(runs[n] / "refine").to_pandas()
+        assert (exact["variant"] == "exact").sum() >= 3 * len(RECORDS)  # the top 3 cells, on every record
 
 
 @needs_model
-def test_each_shard_ran_only_its_own_records(runs: dict[int, Path]) -> None:
+def test_each_shard_ran_only_its_own_records_in_whole_groups(runs: dict[int, Path]) -> None:
     for n in (2, 3):
-        seen: list[int] = []
-        for k in range(n):
-            text = (runs[n] / "run" / f"shard-{k}-of-{n}" / "results.csv").read_text().splitlines()[1:]
-            seen.extend(sorted({int(line.split(",")[0]) for line in text}))
-        assert sorted(seen) == list(range(len(RECORDS)))  # each record once, in one shard
+        for name in ("run", "generate"):
+            seen: list[int] = []
+            for k in range(n):
+                rows = read_rows(runs[n] / name / f"shard-{k}-of-{n}")[1]
+                seen.extend(sorted({r["record"] for r in rows}))
+                if name == "run":
+                    assert rows, (n, k)  # 72 records in three groups: every shard ran some
+            assert sorted(seen) == list(range(len(MANY)))  # each record once, in one shard
 
 
 # ---- a killed shard, missing and mismatched parts ---------------------------------------------------
@@ -277,11 +281,33 @@ def test_a_killed_shard_resumes_and_merges_equal(runs: dict[int, Path], tmp_path
     err = capsys.readouterr().err
     if name == "sweep":  # saved record by record: only the records not saved before run (a run: whole groups)
         assert f"{len(left)} record(s) to run" in err and "done before" in err
+    # the last line says where this shard wrote, and how to merge
+    assert f"wrote {top}/shard-0-of-3/ (shard 0/3): " in err and f"all 3 shards done: `deltalang merge {top}`" in err
     assert main(["merge", str(top)]) == 0
     for f in FILES:
-        assert (top / f).read_bytes() == unkilled[f], f
-        if name == "sweep":
-            assert (top / f).read_bytes() == (runs[1] / name / f).read_bytes(), f
+        assert (top / f).read_bytes() == unkilled[f] == (runs[1] / name / f).read_bytes(), f
+
+
+@needs_model
+def test_a_resumed_collection_reruns_a_group_whole(tmp_path: Path) -> None:
+    """A collection killed with part of a group of records saved resumes by running that group whole, so every
+    record shares its forward with the same records as in an uninterrupted run: its values equal bit for bit."""
+    base = _programs(tmp_path)
+    source, filename = PROGRAMS["collect"], str(base / "collect.dl")
+    whole = deltalang.run(source, filename=filename, out=tmp_path / "whole")
+    size = sum(v.numel() * v.element_size() for v in whole[0][1].values())
+
+    def kill(records: list[int]) -> None:
+        raise KeyboardInterrupt
+
+    model = deltalang.load_model()
+    with pytest.raises(KeyboardInterrupt):  # a shard written every 2.5 records or so: the group's last not saved
+        run_dataset(source, model, filename=filename, out=tmp_path / "killed", shard_bytes=int(2.5 * size),
+                    on_group=kill)
+    saved = [json.loads(line)["record"] for line in (tmp_path / "killed" / "index.jsonl").read_text().splitlines()]
+    assert 0 < len(saved) < 32  # part of the first group (of 32)
+    run_dataset(source, model, filename=filename, out=tmp_path / "killed", shard_bytes=int(2.5 * size), resume=True)
+    _same_collection(tmp_path / "whole", tmp_path / "killed")
 
 
 @needs_model
@@ -301,6 +327,9 @@ def test_mismatched_and_missing_shards_are_one_line(runs: dict[int, Path], tmp_p
         assert main(argv) == 1
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and message in err, err
+    with pytest.raises(DeltaError, match="another split of the records") as e:  # records run alone: other groups
+        deltalang.run(PROGRAMS["run"], filename=str(base / "run.dl"), out=top, shard=(0, 2), batch=False)
+    assert "\n" not in str(e.value.message)
     (top / "shard-2-of-3").mkdir()
     assert main(["merge", str(top)]) == 1
     err = capsys.readouterr().err.strip()
@@ -326,7 +355,7 @@ def test_python_shards_merge_equal_one_process(runs: dict[int, Path], tmp_path: 
     deltalang.load_results(tmp_path / "s")
     for f in FILES:
         assert (tmp_path / "s" / f).read_bytes() == (runs[1] / "sweep" / f).read_bytes(), f
-    source, filename = PROGRAMS["run"], str(base / "run.dl")  # records alone (batch=False): the same bytes
+    source, filename = PROGRAMS["run"].replace("many", "facts"), str(base / "run.dl")  # batch=False: each alone
     deltalang.run(source, filename=filename, out=tmp_path / "r1", batch=False)
     for k in range(3):
         deltalang.run(source, filename=filename, out=tmp_path / "r3", batch=False, shard=f"{k}/3")
@@ -356,17 +385,32 @@ def test_an_attribution_over_a_dataset_sharded_merges_equal(runs: dict[int, Path
     assert merged.kind == "attribution over a dataset"
     for f in FILES:
         assert (tmp_path / "three" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
-    with pytest.raises(DeltaError, match="refine 3: the cells refined are the top of the mean") as e:
-        deltalang.run(ATTRIBUTION.format(refine=3), filename=filename, out=tmp_path / "r", shard=(0, 2))
-    assert "\n" not in str(e.value.message)
 
 
-def test_a_generate_over_a_dataset_is_refused_one_line(tmp_path: Path) -> None:
-    base = _programs(tmp_path)
-    source = 'dataset facts = "facts.jsonl"\ngenerate g on facts max_new_tokens 2 {\n    measure prob(facts.answer)\n}\n'
-    with pytest.raises(DeltaError, match="a generate over a dataset is not split") as e:
-        deltalang.run(source, filename=str(base / "g.dl"), out=tmp_path / "g", shard=(0, 2))
-    assert "\n" not in str(e.value.message) and not (tmp_path / "g").exists()
+@needs_model
+def test_a_refine_in_two_phases_says_what_is_missing_in_one_line(runs: dict[int, Path], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    base = runs[1].parent / "programs"
+    top, program = tmp_path / "r", str(base / "refine.dl")
+    capsys.readouterr()
+    assert main(["sweep", program, "--out", str(top), "--shard", "0/2"]) == 0  # phase one: the estimates
+    err = capsys.readouterr().err
+    assert f"wrote {top}/shard-0-of-2/ (shard 0/2): " in err and "1 of 2 shards estimated" in err and \
+        f"--refine-from {top}" in err
+    for argv, message in ((["sweep", program, "--refine-from", str(top), "--shard", "0/2"],
+                           "shard(s) 1/2 of 2 have not estimated"),
+                          (["merge", str(top)], "shard(s) 1/2 of 2 not complete"),
+                          (["sweep", program, "--refine-from", str(top)], "give --shard K/N"),
+                          (["sweep", program, "--refine-from", str(top), "--out", str(tmp_path / "x"), "--shard",
+                            "0/2"], "drop --out")):
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and message in err, err
+    assert main(["sweep", program, "--out", str(top), "--shard", "1/2"]) == 0
+    capsys.readouterr()
+    assert main(["merge", str(top)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "estimated but not refined (phase 1 of 2)" in err, err
 
 
 @needs_model

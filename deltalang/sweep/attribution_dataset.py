@@ -5,13 +5,16 @@ says how the template labels its cells) runs `attribution.attribute` on each rec
 refine 0, so a record's estimate is what that program alone estimates. Every record gets the same variants
 (`steps` checked on every record first; not given, the one-prompt default where every record has a path,
 else `plain`). A cell is named by its labels as written; per variant its value is the mean over records
-(std, n, 95% CI). `refine K` runs the K cells of largest |mean default estimate| exactly on every record.
+(std, n, 95% CI). `refine K` runs the K cells of largest |mean default estimate| exactly on every record;
+split by `--shard`, in two phases (`Phase`, `read_phase`: the estimates, then with `--refine-from DIR` the top
+of every shard's estimates refined; `marks` go in each shard's `done.json`; docs/shards.md).
 `DatasetAttribution`: long-format `rows`, `cells`, `values()`, `grid()`, `refined()`, `table()`, `summary()`,
 `save(DIR)` (results.csv, summary.csv/json, program.dl, a heatmap). No weights or grads change.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -29,7 +32,10 @@ from ..errors import DeltaError
 from ..ir import Resolved
 from ..model import DeltaModel
 from ..results import save_atomically
-from .attribution import Attribution, Target, attribute, check_path, default_steps, describe, refine_cells, target_of
+from ..shards import Shard, read_done, read_rows
+from .attribution import (Attribution, AttributionRow, Target, attribute, check_path, default_steps, describe,
+                          refine_cells, target_of)
+from .job import measure_label
 from .plots import colour_label, heatmap, slug
 from .table import signed
 
@@ -75,6 +81,8 @@ class DatasetAttribution:
     skipped: tuple[tuple[int, str], ...]
     program: str = ""
     note: str = ""
+    phase: str | None = None  # a sharded refine's phase ("estimates", "refine"; `Phase`), None otherwise
+    clean: Mapping[int, Mapping[str, float]] = attrs.field(factory=dict, repr=False)  # record -> clean measures
 
     @property
     def variables(self) -> list[str]:
@@ -181,17 +189,117 @@ class DatasetAttribution:
                         rv, tmp / f"{self.sweep}-{slug(m)}.png", kind=kind, label=colour_label(m, kind))
 
 
+@attrs.frozen
+class Phase:
+    """An attribution with refine split by `--shard` runs in two phases (docs/shards.md): "estimates" (this shard's
+    records estimated, each record's clean measures kept) or "refine": this shard's estimate `rows` and `clean`
+    measures read back, the `top` cells chosen from the mean of every shard's estimates (`read_phase`)."""
+
+    name: str
+    rows: tuple[dict[str, Any], ...] = ()
+    clean: Mapping[int, Mapping[str, float]] = attrs.Factory(dict)
+    top: tuple[Point, ...] = ()
+    variants: tuple[str, ...] = ()
+    default: str = ""
+    note: str = ""
+
+
 def attribute_records(programs: Sequence[RecordProgram], ds: Dataset, skipped: tuple[tuple[int, str], ...],
                       axes: Axes, model: DeltaModel, source: str, filename: str, *, steps: int | None, refine: int,
                       path: str, exact: Callable[..., Any], console: Console | None = None,
-                      on_record: Callable[[int], None] | None = None) -> DatasetAttribution:
-    """Estimate each record's sweep, average per cell, refine the top `refine` cells on every record."""
+                      on_record: Callable[[int], None] | None = None, phase: Phase | None = None) -> DatasetAttribution:
+    """Estimate each record's sweep, average per cell, refine the top `refine` cells on every record (`phase`:
+    one of the two phases of a sharded refine)."""
     if refine < 0:
         raise DeltaError(f"refine is a count (0 or more), got {refine}")
     if not programs:
         raise DeltaError(f"no record of '{ds.name}' resolves: nothing to estimate")
     exps = [Experiment(source, model, filename=filename, resolved=p.resolved) for p in programs]
     targets = [_each(ds, p, partial(target_of, e)) for p, e in zip(programs, exps, strict=True)]
+    if phase is not None and phase.name == "refine":  # the estimates saved in phase one, the top of every shard's
+        rows, variants, default, note = list(phase.rows), phase.variants, phase.default, phase.note
+        got = [_saved(t, variants, default, phase.clean[p.record.index]) for p, t in zip(programs, targets)]
+        top = list(phase.top)
+    else:
+        got, rows, note = _estimate_all(ds, programs, exps, targets, model, steps, path, console, on_record)
+        variants, default = tuple(got[0].variants), got[0].default
+        top = top_cells(rows, axes, default, refine) if phase is None else []
+    if top:
+        bar = RecordProgress(console, len(programs), len(programs), "records",
+                             f"refine: {len(top)} cell(s) run exactly on every record")
+        with bar:
+            for p, e, t, a in zip(programs, exps, targets, got, strict=True):
+                rows.extend(_refined(ds, p, e, t, a, set(top), exact))
+                bar.advance(1, 1)
+    cells = cell_stats(rows, axes, variants)
+    return DatasetAttribution(ds, targets[0].sweep.name, variants, default, axes, tuple(rows), cells, skipped, source,
+                              note, phase=None if phase is None else phase.name,
+                              clean={p.record.index: a.clean for p, a in zip(programs, got, strict=True)})
+
+
+def read_phase(refine: int, shard: Shard | None, part: Path | None, refine_from: str | Path | None,
+               axes: Axes) -> Phase | None:
+    """Which phase of a sharded refine this run is (`Phase`; None: one process, or refine 0). Phase two reads
+    every shard's estimates in DIR and chooses the top cells from their mean; a problem is one line."""
+    if refine_from is not None and shard is None:
+        raise DeltaError("--refine-from DIR is the second phase of an attribution with refine split by --shard: "
+                         "give --shard K/N (or run it under torchrun)")
+    if refine_from is not None and not refine:
+        raise DeltaError("--refine-from: this sweep refines no cells (refine 0), so it has no second phase: drop "
+                         "--refine-from")
+    if shard is None or not refine:
+        return None
+    if part is None:
+        raise DeltaError(f"--shard with attribution's refine {refine}: the top cells are chosen from every shard's "
+                         f"estimates, which the shards save under --out: give --out DIR")
+    if refine_from is None:
+        return Phase("estimates")
+    top, own, clean, summaries, missing = part.parent, [], {}, [], []
+    rows: list[dict[str, Any]] = []
+    for k in range(shard.n):
+        d = top / Shard(k, shard.n).name
+        done = read_done(d)
+        if done is None or done.get("phase") not in ("estimates", "refine"):
+            missing.append(k)
+            continue
+        est = [r for r in read_rows(d)[1] if r["variant"] != "exact"]
+        rows.extend(est)
+        summaries.append(json.loads((d / "summary.json").read_text(encoding="utf-8")))
+        if k == shard.k:
+            own, clean = est, {int(i): v for i, v in done["clean"].items()}
+    if missing:
+        raise DeltaError(f"--refine-from {top}: shard(s) {', '.join(f'{k}/{shard.n}' for k in missing)} of "
+                         f"{shard.n} have not estimated (phase 1): run them without --refine-from first")
+    if any(x["variants"] != summaries[0]["variants"] for x in summaries):
+        raise DeltaError(f"--refine-from {top}: the shards estimated different variants (the default steps differ "
+                         f"where a shard's records lack a path): give every shard the same steps")
+    rows.sort(key=lambda r: r["record"])  # stable: as one process has them, record by record
+    mine = summaries[shard.k]
+    return Phase("refine", tuple(own), clean, tuple(top_cells(rows, axes, mine["default"], refine)),
+                 tuple(mine["variants"]), mine["default"], mine["note"])
+
+
+def refine_out(out: str | Path | None, refine_from: str | Path | None) -> str | Path | None:
+    """Where a run writes: phase two of a sharded refine (`refine_from`) where phase one did."""
+    if refine_from is not None and out is not None and Path(out).resolve() != Path(refine_from).resolve():
+        raise DeltaError(f"--refine-from {refine_from} refines the parts its shards saved there: drop --out {out}")
+    return out if refine_from is None else refine_from
+
+
+def marks(got: DatasetAttribution, phase: Phase | None) -> dict[str, Any]:
+    """What a phase of a sharded refine adds to the shard's `done.json`: its phase, each record's clean measures
+    (phase two reads them), the top cells refined (merge checks every shard refined the same)."""
+    if phase is None:
+        return {}
+    return {"phase": phase.name, "clean": {str(i): dict(v) for i, v in got.clean.items()},
+            "top": [[list(x) for x in pt] for pt in phase.top]}
+
+
+def _estimate_all(ds: Dataset, programs: Sequence[RecordProgram], exps: Sequence[Experiment],
+                  targets: Sequence[Target], model: DeltaModel, steps: int | None, path: str,
+                  console: Console | None, on_record: Callable[[int], None] | None
+                  ) -> tuple[list[Attribution], list[dict[str, Any]], str]:
+    """Each record's estimates (refine 0), their rows in record order, and the note on the variants."""
     steps, note = _steps(model, ds, programs, targets, steps, path)
     head = (f"attribution over '{ds.name}': {len(programs)} record(s), {len(targets[0].cells)} cells each, "
             f"estimated from gradients")
@@ -204,21 +312,24 @@ def attribute_records(programs: Sequence[RecordProgram], ds: Dataset, skipped: t
             if on_record is not None:
                 on_record(p.record.index)
     rows = [row for p, t, a in zip(programs, targets, got, strict=True) for row in _rows(ds, p, t, a, a.variants)]
-    variants, default = tuple(got[0].variants), got[0].default
-    top: list[Point] = []
-    if refine and rows:
-        first = rows[0]["measure"]
-        means = _means([r for r in rows if r["measure"] == first and r["variant"] == default], axes)
-        top = sorted(means, key=lambda pt: -abs(means[pt]))[:refine]
-        bar = RecordProgress(console, len(programs), len(programs), "records",
-                             f"refine: {len(top)} cell(s) run exactly on every record")
-        with bar:
-            for p, e, t, a in zip(programs, exps, targets, got, strict=True):
-                rows.extend(_refined(ds, p, e, t, a, set(top), exact))
-                bar.advance(1, 1)
-    cells = cell_stats(rows, axes, variants)
-    return DatasetAttribution(ds, targets[0].sweep.name, variants, default, axes,
-                              tuple(rows), cells, skipped, source, note)
+    return got, rows, note
+
+
+def top_cells(rows: Sequence[dict[str, Any]], axes: Axes, default: str, refine: int) -> list[Point]:
+    """The `refine` cells of largest |mean default estimate| of the first measure (rows in record order)."""
+    if not refine or not rows:
+        return []
+    first = rows[0]["measure"]
+    means = _means([r for r in rows if r["measure"] == first and r["variant"] == default], axes)
+    return sorted(means, key=lambda pt: -abs(means[pt]))[:refine]
+
+
+def _saved(t: Target, variants: Sequence[str], default: str, clean: Mapping[str, float]) -> Attribution:
+    """A record's attribution as phase two refines it: the rows `attribute` makes (no estimates: those are saved
+    rows) and the clean measures phase one kept."""
+    rows = [AttributionRow(b, pos, t.sweep.tokens[pos], measure_label(m), {}) for m in t.measures
+            for b, pos in t.cells]
+    return Attribution(t.sweep.name, list(variants), default, rows, dict(clean))
 
 
 def _each(ds: Dataset, p: RecordProgram, fn: Callable[[], Any]) -> Any:

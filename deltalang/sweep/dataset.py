@@ -41,7 +41,8 @@ from .aligned import Alignment, aligned_records, per_token_lines
 from .aligned import offset as _offset
 from .aligned import order as token_order
 from .attribution import Method, method_of
-from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records
+from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records, marks, read_phase, \
+    refine_out
 from .driver import SweepOutcome, _console_for, run_sweeps
 from .job import Normalise
 from .job import measure_label as cell_measure_label
@@ -194,20 +195,22 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                       on_record: Callable[[int], None] | None = None, method: str | None = None,
                       steps: int | None = None, refine: int | None = None,
                       path: str | None = None, align: str | None = None,
-                      shard: Any = None) -> DatasetSweepResults | DatasetAttribution:
+                      shard: Any = None, refine_from: str | Path | None = None) -> DatasetSweepResults | DatasetAttribution:
     """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved.
 
     `method`, `steps`, `refine`, `path`: as `run_sweep`'s; a sweep by attribution (the program's `method
     attribution` or `method="attribution"`) gives a `DatasetAttribution` (`sweep.attribution_dataset`).
     `align`: what a per-token measure's positions are counted from: a field (`facts.subject`, `facts.subject[0]`)
-    or -1, each record's end (the default; `sweep.aligned`). `shard`: as `dataset_run.run_dataset`'s."""
+    or -1, each record's end (the default; `sweep.aligned`). `shard`: as `dataset_run.run_dataset`'s; an
+    attribution's refine split by shards runs twice, the second time with `refine_from=DIR` (docs/shards.md)."""
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     program = parse(source, filename)
     if datasets is None:
         datasets = load_datasets(source, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
-    resolutions, out = select(ds, resolutions, part := shard_of(shard), out, source, "sweep", model.spec.model_id)
+    resolutions, out = select(ds, resolutions, part := shard_of(shard), refine_out(out, refine_from), source, "sweep",
+                              model.spec.model_id, keep_done=refine_from is not None)
     skipped = left_out(ds, resolutions, strict)
     good = [(r.record, r.resolved) for r in resolutions if r.resolved is not None]
     if not good:
@@ -216,7 +219,10 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     if how is not None:
         return _attribution(program, ds, good, skipped, model, source, filename, how, normalise=normalise, out=out,
                             resume=resume, batch_size=batch_size, engine=engine, console=_console_for(progress,
-                            console), on_record=on_record, part=part)
+                            console), on_record=on_record, part=part, refine_from=refine_from)
+    if refine_from is not None:
+        raise DeltaError("--refine-from is the second phase of a sweep by attribution with refine split by --shard; "
+                         "this sweep runs exactly: drop it")
     norm = Normalise.parse(normalise)
     tokens, alignment, good, skipped = aligned_records(program, ds, good, skipped, align, model.spec, strict)
     axes = template_axes(program, good[0][1])
@@ -267,24 +273,15 @@ def _head(ds: Dataset, todo: int, good: int, cells: int, engine: str) -> str:
             + ("the engine (a forward per cell where it cannot serve one)" if engine == "auto" else "the naive path"))
 
 
-def refuse_sharded_refine(how: Method, part: Any) -> None:
-    """A sweep by attribution refines the top cells of the mean over every record: one shard cannot choose them."""
-    if part is not None and how.refine:
-        raise DeltaError(f"--shard with attribution's refine {how.refine}: the cells refined are the top of the mean "
-                         f"over every record, which no shard knows; run the shards with --refine 0, merge, then "
-                         f"refine the top cells in one run")
-
-
 def _attribution(program: ast.Program, ds: Dataset, good: Sequence[tuple[Record, Resolved]],
                  skipped: tuple[tuple[int, str], ...], model: DeltaModel, source: str, filename: str, how: Method, *,
                  normalise: Any, out: str | Path | None, resume: bool, batch_size: int | None, engine: str,
                  console: Console | None, on_record: Callable[[int], None] | None,
-                 part: Any = None) -> DatasetAttribution:
+                 part: Any = None, refine_from: str | Path | None = None) -> DatasetAttribution:
     """A sweep by attribution over the dataset (`sweep.attribution_dataset`), each record's cells labelled."""
     if resume:
         raise DeltaError("--resume continues an exact sweep over a dataset; an attribution sweep reruns (it is "
                          "fast): drop --resume")
-    refuse_sharded_refine(how, part)
     if normalise is not None:
         raise DeltaError("--normalise applies to an exact sweep; attribution estimates M(patched) - M(clean) per "
                          "record: drop --normalise (or say method exact)")
@@ -294,12 +291,13 @@ def _attribution(program: ast.Program, ds: Dataset, good: Sequence[tuple[Record,
         names = {cell_measure_label(m): _template_measure(program, m) for m in run.measures}
         programs.append(RecordProgram(rec, res, _labels_by_value(program, ds, rec, run, model), names))
     axes = template_axes(program, good[0][1])[run.name]
+    phase = read_phase(how.refine, part, None if out is None else Path(out), refine_from, axes)  # a sharded refine
     got = attribute_records(programs, ds, skipped, axes, model, source, filename, steps=how.steps, refine=how.refine,
                             path=how.path, exact=partial(run_sweeps, batch_size=batch_size, engine=engine),
-                            console=console, on_record=on_record)
+                            console=console, on_record=on_record, phase=phase)
     if out is not None:
         got.save(out)
-        finish(Path(out), part)
+        finish(Path(out), part, **marks(got, phase))
     return got
 
 
