@@ -88,8 +88,9 @@ def parse_line(line: str) -> argparse.Namespace | None:
         return None
     if args.file is not None or args.expr is not None:
         raise DeltaError("%%deltalang: the cell is the program: give no file and no -e")
-    if args.shard is not None:  # sharded runs are separate processes (`deltalang.shards`)
-        raise DeltaError("%%deltalang: --shard splits a run across processes: start them with torchrun or "
+    if args.shard is not None or getattr(args, "refine_from", None) is not None:  # separate processes (`shards`)
+        option = "--shard" if args.shard is not None else "--refine-from"
+        raise DeltaError(f"%%deltalang: {option} is for a run split across processes: start them with torchrun or "
                          "`deltalang run --shard K/N`, then load_results(DIR)")
     if args.output is not None and not args.output.isidentifier():
         raise DeltaError(f"%%deltalang: -o {args.output!r} is not a Python name")

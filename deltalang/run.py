@@ -53,7 +53,8 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
         batch: bool = True, remote: bool | str = False, data: Mapping[str, Any] | None = None,
         strict: bool = False, out: str | Path | None = None, resume: bool = False,
         normalise: str | Mapping[str, str] | None = None, shard: tuple[int, int] | str | None = None,
-        align: str | None = None) -> Results | DatasetResults | DatasetSweepResults | DatasetAttribution:
+        align: str | None = None, refine_from: str | Path | None = None
+        ) -> Results | DatasetResults | DatasetSweepResults | DatasetAttribution:
     """Compile and run a program; returns its Results (DatasetResults for a program over a dataset).
 
     `data`: {dataset name: a list of dicts or a pandas DataFrame}, used instead of the
@@ -65,8 +66,9 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
     `shard` ((K, N) or "K/N"; default: RANK/WORLD_SIZE under torchrun or accelerate launch): run shard K of N of
     the dataset's records, saved in `out/shard-K-of-N` (`deltalang.shards`; `load_results(out)` merges the parts).
     `align` (a sweep over a dataset: "facts.subject", "facts.subject[0]" or "-1", the default): what a per-token
-    measure's positions are counted from (`deltalang.sweep.aligned`), as `--align`.
-    A one-prompt program takes none of the five: save its results with `Results.save`.
+    measure's positions are counted from (`deltalang.sweep.aligned`), as `--align`. `refine_from` (with `shard`):
+    the second phase of an attribution with refine split across shards, as `--refine-from` (docs/shards.md).
+    A one-prompt program takes none of these: save its results with `Results.save`.
     """
     if remote:
         raise DeltaError(REMOTE_REFUSAL)
@@ -83,8 +85,9 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
         part = shard_of(shard) if shard is not None else from_env()
         if any(isinstance(i, ast.Sweep) for i in program.items):
             return run_dataset_sweep(source, loaded, filename=filename, data=data, strict=strict,
-                                     normalise=normalise, out=out, resume=resume, shard=part, align=align)
-        for given, what in ((normalise, "normalise="), (align, "align=")):
+                                     normalise=normalise, out=out, resume=resume, shard=part, align=align,
+                                     refine_from=refine_from)
+        for given, what in ((normalise, "normalise="), (align, "align="), (refine_from, "refine_from=")):
             if given is not None:
                 raise DeltaError(f"{what} applies to sweeps (over a dataset: a `sweep ... on facts...`); "
                                  "this program over a dataset has none")
@@ -93,7 +96,8 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
     if align is not None:
         raise DeltaError(f"align={align!r} counts a per-token measure's positions in a sweep over a dataset; this "
                          "program runs one prompt: drop it")
-    for given, what in ((out, "out="), (resume or None, "resume="), (normalise, "normalise="), (shard, "shard=")):
+    for given, what in ((out, "out="), (resume or None, "resume="), (normalise, "normalise="), (shard, "shard="),
+                        (refine_from, "refine_from=")):
         if given is not None:
             raise DeltaError(f"{what} applies to a program over a dataset; save a one-prompt run's results "
                              "with Results.save(DIR), and run sweeps with deltalang.run_sweep(..., out=DIR)")

@@ -232,6 +232,31 @@ def test_torchrun_processes_merged_equal_one_process(runs: dict[int, Path], n: i
 
 
 @needs_model
+def test_python_runs_the_two_phases_of_a_sharded_refine(runs: dict[int, Path], tmp_path: Path) -> None:
+    """`deltalang.run(..., shard=, refine_from=)` as `--refine-from` (run() had no refine_from=): the two phases in
+    this process, merged, give the one-process run's files byte for byte; a one-prompt program refuses it."""
+    base = runs[1].parent / "programs"
+    source, top = (base / "refine.dl").read_text(encoding="utf-8"), tmp_path / "py"
+    model = deltalang.load_model()
+    here = os.getcwd()
+    os.chdir(base)  # the program's dataset line is relative
+    try:
+        for k in range(2):
+            deltalang.run(source, model, filename=str(base / "refine.dl"), shard=(k, 2), out=top)
+        for k in range(2):
+            deltalang.run(source, model, filename=str(base / "refine.dl"), shard=(k, 2), refine_from=top)
+    finally:
+        os.chdir(here)
+    assert main(["merge", str(top)]) == 0
+    for f in FILES:
+        assert (top / f).read_bytes() == (runs[1] / "refine" / f).read_bytes(), f
+    with pytest.raises(DeltaError) as e:
+        deltalang.run('prompt p = "The Eiffel Tower is in"\ntrace t on p { read logits }\n', model,
+                      refine_from=top)
+    assert "refine_from= applies to a program over a dataset" in str(e.value)
+
+
+@needs_model
 def test_each_shard_ran_only_its_own_records_in_whole_groups(runs: dict[int, Path]) -> None:
     for n in (2, 3):
         for name in ("run", "generate"):
@@ -427,9 +452,12 @@ def test_a_per_token_sweep_sharded_merges_equal(tmp_path: Path) -> None:
         assert (tmp_path / "two" / f).read_bytes() == (tmp_path / "one" / f).read_bytes(), f
 
 
-def test_a_notebook_cell_refuses_a_shard_in_one_line() -> None:
+@pytest.mark.parametrize("line", ["--shard 0/2", "--refine-from out"])
+def test_a_notebook_cell_refuses_a_shard_in_one_line(line: str) -> None:
+    """A cell is one process: --shard and the second phase's --refine-from (accepted and ignored before) refused."""
     from deltalang.notebook import CellError, run_cell
 
     with pytest.raises(CellError) as e:
-        run_cell("--shard 0/2", 'dataset facts = "facts.jsonl"\ntrace t on facts { measure prob(facts.answer) }\n', {})
-    assert "--shard splits a run across processes" in str(e.value) and str(e.value).count("\n") == 0
+        run_cell(line, 'dataset facts = "facts.jsonl"\ntrace t on facts { measure prob(facts.answer) }\n', {})
+    option = line.split()[0]
+    assert f"{option} is for a run split across processes" in str(e.value) and str(e.value).count("\n") == 0
