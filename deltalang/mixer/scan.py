@@ -159,7 +159,9 @@ class SSDCall(Requests):
         """The outputs and final state after `new` replaced `state` after p, in the rows it changed (new tensors:
         never change one a worker may hold), and the change."""
         change = new.float() - state.float()
-        rows = change.flatten(1).ne(0).any(dim=1).nonzero().flatten()
+        written = change.flatten(1).ne(0).any(dim=1)
+        # every row: plain slices (views, no gathered copies); else the written rows' indices
+        rows: Any = slice(None) if bool(written.all()) else written.nonzero().flatten()
         y, final = y.clone(), final.clone()
         x, C = inputs[0][rows], inputs[4][rows]
         y[rows, p] = ssd.read_state(C[:, p], new[rows], x[:, p], D).to(y.dtype)
