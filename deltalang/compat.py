@@ -25,7 +25,8 @@ SUPPORTED: dict[str, tuple[str, str]] = {
     "transformers": ("5.21.0", "6"),
     "nnsight": ("0.8.0", "0.9"),
 }
-CACHE_KEYWORDS = ("cache", "past_key_values")  # transformers >= 5.24, before
+# transformers >= 5.24, before; and before 5.24 the pure Mamba-2 model's own (`cache_params`, in and out)
+CACHE_KEYWORDS = ("cache", "past_key_values", "cache_params")
 
 
 class UnsupportedVersion(DeltaModelError):
@@ -87,7 +88,7 @@ def cache_kwargs(cache: Any, target: Any = None) -> dict[str, Any]:
 
 def output_cache(out: Any) -> Any:
     """The cache a forward returned: `out.cache` (5.24 on; `past_key_values` there is a deprecated alias that
-    logs a warning) or `out.past_key_values` before; None when it returned none."""
+    logs a warning) or `out.past_key_values` before (`out.cache_params`: Mamba-2's); None when it returned none."""
     for name in CACHE_KEYWORDS:
         if name in out:
             return out[name]
