@@ -1,21 +1,15 @@
 """The Mamba-2 (SSD) scan itself, for what transformers' kernels do not give: every token's state, one token's read.
 
-Per head: h_t = exp(A dt_t) h_(t-1) + (dt_t x_t) ⊗ B_t (`[P, N]`), y_t = h_t C_t + D x_t, so a state written
-after t changes token t's own output. Arguments are those of transformers' `mamba2_chunk_scan`
-(`SCAN_GLOBAL`): hidden_states `[b, s, h, P]`, raw dt `[b, s, h]`, A, B/C `[b, s, g, N]`, D, dt_bias,
-initial_states `[b, h, P, N]`.
-- `per_token(...)` -> (y `[b, s, h, P]` float32, states `[b, s, h, P, N]` float32), in chunks of `CHUNK`
-  with a loop over chunks only; `final_state=True` the last state alone; `per_token_loop` token by token;
-- `per_token_reduced(..., sinks)`: the same states handed to each sink a group of chunks of one row at a time
-  (`[t, h, P, N]`) and dropped; `per_token_sq_norms(...)` each head's squared state norm after every token
-  `[b, s, h]` from Gram matrices, no state per token; `per_token_projected(..., direction)` each head's state
-  projected onto a direction; all keep memory of one group, whatever the length;
-- `read_state(C_t, state, x_t, D)`: one token's output from a (replaced) state;
-- `final_state(...)`: the state's half of transformers' torch scan, its final state bit for bit (a read's side call);
-- `log_decays`, `carried`: the scan is linear in its state, so a state changed after q changes token u > q's output
-  by C_u . exp(cum_u - cum_q) change and the final state likewise (a write beside the unchanged call);
-- `split(scan, ..., positions, replace)`: the family's own scan cut at each t and continued with
-  `initial_states`, the state replaced where asked; exact against an unsplit run otherwise.
+Per head: h_t = exp(A dt_t) h_(t-1) + (dt_t x_t) ⊗ B_t (`[P, N]`), y_t = h_t C_t + D x_t. Arguments are those of
+transformers' `mamba2_chunk_scan` (`SCAN_GLOBAL`): hidden_states `[b, s, h, P]`, raw dt `[b, s, h]`, A, B/C
+`[b, s, g, N]`, D, dt_bias, initial_states `[b, h, P, N]`.
+- `per_token` (y and every state, float32, chunked), `per_token_loop` (token by token, the tests' reference);
+- without every state at once: `per_token_reduced` (a group of chunks of one row at a time, to sinks),
+  `per_token_sq_norms` (each head's squared norm, from Gram matrices), `per_token_projected` (onto a direction);
+- `read_state`: one token's output from a (replaced) state; `final_state`: the state's half of transformers'
+  torch scan, its final state bit for bit (a read's side call);
+- `log_decays`, `carried`: a state changed after q changes each later output and the final state linearly (a write
+  beside the unchanged call); `split`: the family's own scan cut at each t and continued with `initial_states`.
 Design and measurements: docs/mamba2.md.
 """
 
