@@ -136,9 +136,7 @@ class DatasetAttribution:
         if self.note:
             lines.append(self.note)
         lines.append(self.table(max(20, len(self.refined()))))
-        if self.skipped:
-            lines.append(f"left out {len(self.skipped)} of {n} records (--strict stops instead):")
-            lines.extend(f"  {self.dataset.where(self.dataset.records[i])}: {why}" for i, why in self.skipped)
+        lines.extend(self.dataset.left_out_lines(self.skipped))
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
