@@ -16,34 +16,13 @@ at its output is random. Cases, each against `scan` in the same run:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any, Callable
 
 import torch
+from common import median_time  # benchmarks/, beside this script
+from ssd_scan import scan_inputs
 
-from deltalang import gradients, ssd, testing_ssd
-
-
-def _mixer() -> tuple[Any, Any]:
-    from transformers import CONFIG_MAPPING
-
-    cfg = CONFIG_MAPPING["granitemoehybrid"](
-        hidden_size=1024, num_hidden_layers=1, layer_types=["linear_attention"], mamba_n_heads=32, mamba_d_head=64,
-        mamba_d_state=128, mamba_n_groups=1, mamba_chunk_size=256, mamba_expand=2, num_attention_heads=16,
-        num_key_value_heads=4, intermediate_size=512, shared_intermediate_size=512, vocab_size=300)
-    module = testing_ssd.modeling_module("granitemoehybrid")
-    return module.GraniteMoeHybridMambaLayer(cfg, layer_idx=0).eval(), module
-
-
-def _timed(fn: Callable[[], Any], repeat: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from deltalang import gradients
 
 
 def main() -> None:
@@ -52,22 +31,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cells", type=int, default=64)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    mixer, module = _mixer()
-    for p in mixer.parameters():
-        p.requires_grad_(False)
-    x = torch.randn(1, args.length, 1024)
-    original = getattr(module, ssd.SCAN_GLOBAL)
-    got: dict[str, Any] = {}
-
-    def capture(*a: Any, **k: Any) -> Any:
-        got["a"], got["k"] = a, k
-        return original(*a, **k)
-    setattr(module, ssd.SCAN_GLOBAL, capture)
-    with torch.no_grad():
-        mixer(x)
-    setattr(module, ssd.SCAN_GLOBAL, original)
-    (xs, dt, A, B, C), k = got["a"][:5], got["k"]
+    _, _, (xs, dt, A, B, C), k, original = scan_inputs(args.length)
     kw = dict(D=k["D"], dt_bias=k["dt_bias"], dt_softplus=True, dt_limit=k["dt_limit"])
     chunk = k["chunk_size"]
     go = torch.randn(1, *xs.shape[1:])
@@ -95,7 +59,8 @@ def main() -> None:
         base = None
         for name, fn in cases.items():
             with torch.enable_grad() if name == "backward" else torch.no_grad():
-                took = _timed(fn, args.repeat)
+                fn()  # warm
+                took = median_time(fn, args.repeat)
             base = took if base is None else base
             print(f"{name:10s} {took:8.3f} s  {took / base:5.2f}x scan")
 

@@ -39,6 +39,27 @@ def _mixer() -> tuple[Any, Any]:
     return module.GraniteMoeHybridMambaLayer(cfg, layer_idx=0).eval(), module
 
 
+def scan_inputs(length: int) -> tuple[Any, torch.Tensor, tuple, dict[str, Any], Callable[..., Any]]:
+    """`(mixer, x, (x, dt, A, B, C), keywords, scan)`: the mixer of `_mixer` (seed 0), a random prompt of `length`
+    tokens, the scan's inputs as the mixer's forward passes them to transformers' scan, and that scan."""
+    torch.manual_seed(0)
+    mixer, module = _mixer()
+    x = torch.randn(1, length, 1024)
+    original = getattr(module, ssd.SCAN_GLOBAL)
+    got: dict[str, Any] = {}
+
+    def capture(*a: Any, **k: Any) -> Any:
+        got["a"], got["k"] = a, k
+        return original(*a, **k)
+    setattr(module, ssd.SCAN_GLOBAL, capture)
+    try:
+        with torch.no_grad():
+            mixer(x)
+    finally:
+        setattr(module, ssd.SCAN_GLOBAL, original)
+    return mixer, x, got["a"][:5], got["k"], original
+
+
 def _reduced(a: tuple, kw: dict) -> torch.Tensor:
     stream = measures.Reduction(("b", "s", "heads", "key_dim", "value_dim"), [("mean", ("s",))]).stream(1, a[0].shape[1])
     ssd.per_token_reduced(*a, [stream.add], **kw)
@@ -59,20 +80,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", nargs="*", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    mixer, module = _mixer()
-    x = torch.randn(1, args.length, 1024)
-    original = getattr(module, ssd.SCAN_GLOBAL)
-    got: dict[str, Any] = {}
-
-    def capture(*a: Any, **k: Any) -> Any:
-        got["a"], got["k"] = a, k
-        return original(*a, **k)
-    setattr(module, ssd.SCAN_GLOBAL, capture)
-    with torch.no_grad():
-        mixer(x)
-    setattr(module, ssd.SCAN_GLOBAL, original)
-    a, k = got["a"][:5], got["k"]
+    mixer, x, a, k, original = scan_inputs(args.length)
     kw = dict(D=k["D"], dt_bias=k["dt_bias"], dt_softplus=True, dt_limit=k["dt_limit"])
     chunk = k["chunk_size"]
     t = args.length // 2
