@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -57,6 +57,19 @@ def spread(n: int, k: int) -> list[int]:
     if k == 1:
         return [n - 1]
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def ablation(model: Any, text: str, n_tok: int, blocks: list[int], positions: list[int]) -> Experiment:
+    """The sweep zeroing each block's state after each position of `text`, measuring prob("a"): the program's
+    position axis narrowed to `positions` (the language writes position axes as ranges a..b; the resolved
+    program holds any list)."""
+    source = (f"prompt p = {deltalang.ast.quote(text)}\n"
+              f"sweep ablate on p over L in L[{', '.join(map(str, blocks))}], t in 0..{n_tok} {{\n"
+              f"    write L.state_after(t) = zeros\n    measure prob(\"a\")\n}}\n")
+    full = deltalang.compile(source, model).resolved
+    sweep = full.runs[0]
+    t_axis = attrs.evolve(sweep.axes[1], values=tuple(positions), labels=tuple(positions))
+    return Experiment(source, model, resolved=attrs.evolve(full, runs=(attrs.evolve(sweep, axes=(sweep.axes[0], t_axis)),)))
 
 
 def small_granitemoehybrid(seed: int = 0) -> torch.nn.Module:
@@ -83,14 +96,7 @@ def mamba2_case(args: argparse.Namespace) -> None:
     n_tok = len(model.spec.token_ids(text))
     ssm = model.spec.ssm_layers()[: args.blocks]
     positions = spread(n_tok, args.positions)
-    blocks = ", ".join(map(str, ssm))
-    source = (f"prompt p = {deltalang.ast.quote(text)}\n"
-              f"sweep ablate on p over L in L[{blocks}], t in 0..{n_tok} {{\n"
-              f"    write L.state_after(t) = zeros\n    measure prob(\"a\")\n}}\n")
-    full = deltalang.compile(source, model).resolved
-    sweep = full.runs[0]
-    t_axis = attrs.evolve(sweep.axes[1], values=tuple(positions), labels=tuple(positions))
-    exp = Experiment(source, model, resolved=attrs.evolve(full, runs=(attrs.evolve(sweep, axes=(sweep.axes[0], t_axis)),)))
+    exp = ablation(model, text, n_tok, ssm, positions)
     got: dict[str, dict[str, float]] = {}
 
     def case(engine: str) -> Callable[[], None]:
@@ -143,17 +149,7 @@ def main() -> None:
     token = model.spec.token_ids("a")[0]
     n_layers = model.spec.num_layers
 
-    # the engine: the sweep program, its position axis narrowed to the spread positions (the language
-    # writes position axes as ranges a..b; the resolved program holds any list)
-    blocks = ", ".join(map(str, linear))
-    source = (f"prompt p = {deltalang.ast.quote(text)}\n"
-              f"sweep ablate on p over L in L[{blocks}], t in 0..{n_tok} {{\n"
-              f"    write L.state_after(t) = zeros\n    measure prob(\"a\")\n}}\n")
-    full = deltalang.compile(source, model).resolved
-    sweep = full.runs[0]
-    t_axis = attrs.evolve(sweep.axes[1], values=tuple(positions), labels=tuple(positions))
-    resolved = attrs.evolve(full, runs=(attrs.evolve(sweep, axes=(sweep.axes[0], t_axis)),))
-    exp = Experiment(source, model, resolved=resolved)
+    exp = ablation(model, text, n_tok, linear, positions)  # the engine: the sweep program
     cells = [(L, t) for L in linear for t in positions]
     share = sum((n_layers - L) / n_layers * (n_tok - t) / n_tok for L, t in cells)
     d = model.spec.dims
