@@ -214,3 +214,29 @@ def test_a_side_calls_state_is_the_kernels_own_final_state(name: str, length: in
                        use_qk_l2norm_in_kernel=True)[1]
         assert torch.equal(one, alone)
         torch.testing.assert_close(one[0], want[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_no_op_tokens_after_a_prefix_leave_its_side_call_state_bit_for_bit(name: str) -> None:
+    """A read's side call over rows of one start ending at different tokens runs them in place with each row's
+    later tokens made no-ops (beta 0, decay 0: `mixer.reads._masked`): each row's state equals, bit for bit,
+    `final_state` over its prefix followed by zeros (the layout it replaced), and the kernel over the prefix alone
+    within float32 rounding; one chunk and two, a given start state."""
+    fam = getattr(families, name)
+    kernel = getattr(fam.module, fam.chunk_kernel)
+    gen = torch.Generator().manual_seed(7)
+    b, s, h, dk, dv = 4, 120, 4, 16, 8
+    q, k = (torch.randn(b, s, h, dk, generator=gen) for _ in range(2))
+    v = torch.randn(b, s, h, dv, generator=gen)
+    g, beta = -torch.rand(b, s, h, generator=gen), torch.rand(b, s, h, generator=gen)
+    start = torch.randn(b, h, dk, dv, generator=gen) * 0.1
+    ends = torch.tensor([70, 100, 120, 66])
+    after = torch.arange(s)[None, :] >= ends[:, None]
+    got = deltarule.final_state(fam, q, k, v, g.masked_fill(after[..., None], 0), beta.masked_fill(after[..., None], 0),
+                                start, True)
+    zeros = [x.masked_fill(after.view(b, s, *[1] * (x.dim() - 2)), 0) for x in (q, k, v, g, beta)]
+    assert torch.equal(got, deltarule.final_state(fam, *zeros, start, True)), name
+    for r, e in enumerate(ends.tolist()):
+        alone = kernel(q[r:r + 1, :e], k[r:r + 1, :e], v[r:r + 1, :e], g=g[r:r + 1, :e], beta=beta[r:r + 1, :e],
+                       initial_state=start[r:r + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)[1]
+        torch.testing.assert_close(got[r], alone[0], rtol=1e-5, atol=1e-6)

@@ -102,7 +102,7 @@ def serve_reads(call: DeltaRuleCall, fn: Callable[..., Any], out: torch.Tensor, 
     b, s = query.shape[:2]
     invokes, every = _invokes(call, b), list(range(b))
     book = _Rows(b, s, initial)
-    padded, side = _pads_itself(call, fn), _side_call(call, fn, l2)  # decided once per call
+    padded, (side, no_ops) = _pads_itself(call, fn), _side_call(call, fn, l2)  # decided once per call
     known: dict[tuple[int, int], torch.Tensor] = {}  # (position, row) -> the state after it
     pos = 0
     while pos < s:
@@ -110,11 +110,11 @@ def serve_reads(call: DeltaRuleCall, fn: Callable[..., Any], out: torch.Tensor, 
         if not asked:
             break
         wanted = {p: {r for n in names for r in _rows_of(n, invokes, every)} for p, names in asked.items()}
-        _prefetch(book, side, inputs, final, known, wanted, padded)  # every request parked now, together
+        _prefetch(book, side, inputs, final, known, wanted, padded, no_ops)  # every request parked now, together
         p = min(asked)
         for name in call._names_at("state_after", step, p):
             rows = _rows_of(name, invokes, every)
-            _prefetch(book, side, inputs, final, known, {p: set(rows)}, padded)  # a worker's next request
+            _prefetch(book, side, inputs, final, known, {p: set(rows)}, padded, no_ops)  # a worker's next request
             state = torch.stack([known[p, r] for r in rows])
             new = call.serve(name, state, step)
             if new is not state:  # a write: these rows' forward splits at p
@@ -139,12 +139,14 @@ def _pads_itself(call: DeltaRuleCall, fn: Callable[..., Any]) -> bool:
 
 
 def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, final: torch.Tensor,
-              known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], padded: bool) -> None:
+              known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], padded: bool,
+              no_ops: bool) -> None:
     """The states after the wanted positions not yet known, each row's from its base: the state after the
     last token is the forward call's final state; the others come from side calls over each prefix, left-aligned
     (zeros after a part leave its state as it was) and sharing a call where that costs no extra chunk
     (`padded`: the kernel pads to whole chunks itself, so the part's bits are those of its call alone), else
-    where their lengths are equal."""
+    where their lengths are equal; `no_ops`: the side call is `deltarule.final_state`, where a part's tokens after
+    its end are made no-ops in place of zeros (`_masked`)."""
     parts: list[tuple[list[int], int, int]] = []
     for p, rows in sorted(wanted.items()):
         todo = sorted(r for r in rows if (p, r) not in known)
@@ -157,23 +159,25 @@ def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, final: torch.Tensor,
         length = part[2] - part[1]
         calls.setdefault(-(-length // CHUNK) if padded else length, []).append(part)
     for group in calls.values():
-        states = _left_aligned(book, side, inputs, group)
+        one_base = padded and no_ops and len({a for _, a, _ in group}) == 1
+        states = _masked(book, side, inputs, group) if one_base else _left_aligned(book, side, inputs, group)
         n = 0
         for rows, _, e in group:
             known.update(((e - 1, r), states[n + i]) for i, r in enumerate(rows))
             n += len(rows)
 
 
-def _side_call(call: DeltaRuleCall, fn: Callable[..., Any], l2: bool) -> SideCall:
+def _side_call(call: DeltaRuleCall, fn: Callable[..., Any], l2: bool) -> tuple[SideCall, bool]:
     """The final state of a side call `(q, k, v, g, beta, start) -> state`: behind transformers' own chunked torch
     kernel of the gated delta rule, only its state's half (`deltarule.final_state`, the same bits); else the
-    kernel itself (FLA's, KDA's, a routed one), its outputs unused. Decided once per forward call."""
+    kernel itself (FLA's, KDA's, a routed one), its outputs unused; and whether it is the state's half. Decided
+    once per forward call."""
     fam, b = call.family, kernels.backend(call.family, call.family.chunk_kernel)
     torch_only = fn is b.reference or (b.compiled is None and fn is b.fn)  # transformers' own torch function
     if not fam.per_channel_decay and torch_only and fn is not b.compiled:
-        return lambda q, k, v, g, beta, start: deltarule.final_state(fam, q, k, v, g, beta, start, l2)
-    return lambda q, k, v, g, beta, start: fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True,
-                                              use_qk_l2norm_in_kernel=l2)[1]
+        return lambda q, k, v, g, beta, start: deltarule.final_state(fam, q, k, v, g, beta, start, l2), True
+    return (lambda q, k, v, g, beta, start: fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=l2)[1]), False
 
 
 def _left_aligned(book: _Rows, side: SideCall, inputs: Inputs, parts: list[tuple[list[int], int, int]]
@@ -203,6 +207,23 @@ def _left_aligned(book: _Rows, side: SideCall, inputs: Inputs, parts: list[tuple
                            for x, (rows, _, _) in zip(starts, parts)])
     q, k, v, g, beta = stacked
     return side(q, k, v, g, beta, start)
+
+
+def _masked(book: _Rows, side: SideCall, inputs: Inputs, parts: list[tuple[list[int], int, int]]) -> torch.Tensor:
+    """One side call over the parts (rows, start, end) of one start, behind a kernel that pads itself: the rows'
+    tokens in place up to the longest end, each row's tokens after its own end made no-ops (beta 0: nothing
+    written; decay 0: nothing forgotten), which leaves the bits of its state those of the zero-padded prefix (a
+    no-op token adds exact zeros), without a copy per part. The final states, the parts' rows in order."""
+    rows = [r for group, _, _ in parts for r in group]
+    a, width = parts[0][1], max(e for _, _, e in parts) - parts[0][1]
+    b = inputs[0].shape[0]
+    idx: Any = slice(None) if rows == list(range(b)) else rows
+    k, v, g, beta = (x[idx, a:a + width] for x in inputs[1:])  # the query unsliced: the state's half never reads it
+    ends = torch.tensor([e - a for group, _, e in parts for _ in group], device=beta.device)
+    after = torch.arange(width, device=beta.device)[None, :] >= ends[:, None]  # [rows, width]
+    g = g.masked_fill(after.view(*after.shape, *([1] * (g.dim() - 2))), 0)
+    beta = beta.masked_fill(after.view(*after.shape, *([1] * (beta.dim() - 2))), 0)
+    return side(inputs[0], k, v, g, beta, book.start(rows))
 
 
 def _rows_of(name: str, invokes: dict[int, list[int]] | None, every: list[int]) -> list[int]:
