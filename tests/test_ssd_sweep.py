@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import deltalang
-from deltalang import compat, ssd, testing_ssd
+from deltalang import compat, ssd, testing, testing_ssd
 from deltalang.sweep import run_sweep
 
 SERVED = testing_ssd.MAMBA2_FAMILY_NAMES  # all six, zamba2 too (sweep/job.py's ENGINE_SSM_FAMILIES)
@@ -45,12 +45,24 @@ Fn = Callable[[torch.Tensor], torch.Tensor]  # the state the scan reached -> the
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# zamba2 with its shared block's optional rotary positions and per-use attention adapters (each use of the shared
+# block picks its adapter by the layer index its call passes: the one the clean capture binds; transformers' adapters
+# take as many key/value heads as query heads)
+VARIANTS = {"zamba2+options": ("zamba2", {"use_mem_rope": True, "use_shared_attention_adapter": True,
+                                          "num_key_value_heads": 4})}
+
+
 @functools.lru_cache(maxsize=None)
 def _models(name: str) -> tuple[deltalang.DeltaModel, Any]:
     """(deltalang's model, a plain transformers model of the same checkpoint)."""
     from transformers import AutoModelForCausalLM
 
-    path = testing_ssd.tiny_ssd_checkpoint(name)
+    if name in VARIANTS:
+        family, fields = VARIANTS[name]
+        path = testing.built_once(name, lambda n, p: testing_ssd.build_tiny_ssd(family, p, **fields),
+                                  prefix="deltalang-ssd-")
+    else:
+        path = testing_ssd.tiny_ssd_checkpoint(name)
     return deltalang.load_model(path), AutoModelForCausalLM.from_pretrained(path).eval()
 
 
@@ -94,7 +106,7 @@ def _cache_after(hf: Any, ids: torch.Tensor, t: int) -> Any:
 def _scan_written(name: str, hf: Any, writes: Mapping[int, Fn], cut: int) -> Iterator[None]:
     """Inside: each written layer's prompt scan is cut after its call's token `cut`, the state there replaced by
     `writes[layer](state)`, token `cut` re-read from it and the rest continued from it (`initial_states`)."""
-    module = testing_ssd.modeling_module(name)
+    module = testing_ssd.modeling_module(name.split("+")[0])
     original = getattr(module, ssd.SCAN_GLOBAL)
     mixers = dict(testing_ssd.ssd_mixers(hf))
     current = [-1]
@@ -202,7 +214,7 @@ def _cells(outcome: Any) -> dict[tuple[str, int, int, str], float]:
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("name", SERVED + tuple(VARIANTS))
 def test_causal_tracing_cells_equal_the_reference_path_and_transformers(name: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Donor, zeros and window writes over every Mamba-2 block x a middle position (the later tokens continue
