@@ -5,7 +5,7 @@ Contract:
   (`mamba2_chunk_scan`): granitemoehybrid, nemotron_h, falcon_h1, bamba, zamba2, mamba2.
 - `tiny_ssd_config(name)` is a small config from transformers' own config class (hidden 64, 4 heads
   of 32, d_state 16, chunk 8; the hybrids with Mamba-2 and attention blocks both);
-  `build_tiny_ssd(name, path)` writes a loadable checkpoint (config, safetensors, byte tokenizer);
+  `build_tiny_ssd(name, path, **fields)` writes a loadable checkpoint (config, safetensors, byte tokenizer);
   `tiny_ssd_checkpoint(name)` builds one once per process in a temporary directory.
 - `ssd_mixers(model)` lists the model's Mamba-2 mixers as (cache layer index, module), in order;
   `modeling_module(name)` is the family's modeling module (where the scan global lives).
@@ -98,13 +98,16 @@ def tiny_ssd_config(name: str) -> Any:
     return _RECIPES[name](CONFIG_MAPPING[name])
 
 
-def build_tiny_ssd(name: str, path: str | Path, seed: int = 0) -> Path:
-    """Write a random-weight checkpoint of Mamba-2 family `name` to `path` and return the path."""
+def build_tiny_ssd(name: str, path: str | Path, seed: int = 0, **fields: Any) -> Path:
+    """Write a random-weight checkpoint of Mamba-2 family `name` to `path` and return the path; `fields` set
+    on its tiny config first (zamba2's `use_mem_rope=True`)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     torch.manual_seed(seed)
     cfg = tiny_ssd_config(name)
+    for key, value in fields.items():
+        setattr(cfg, key, value)
     model = AutoModelForCausalLM.from_config(cfg)
     model.eval()
     _enlarge_random_weights(model)

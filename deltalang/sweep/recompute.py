@@ -87,7 +87,8 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
     """What `forward(cache)` leaves for `run_rows`, no values: `forward` is one forward of the clean prompt
     through the model given a fresh transformers cache (`**compat.cache_kwargs(cache, model), use_cache=True`),
     with or without gradients (what is kept is detached): the residual stream entering blocks first_block.. and
-    their call arguments (forward pre-hooks), which of them the previous block's output hands on (`threaded`),
+    their call arguments by name (forward pre-hooks; positional ones bound to the block's parameters,
+    `continuation.named`), which of them the previous block's output hands on (`threaded`),
     the attention blocks' keys and values (a sliding window's cache told to keep them all) and indexer keys,
     and the inputs of any further convolution state a linear-attention layer keeps (`CacheOf`)."""
     from transformers import DynamicCache
@@ -98,13 +99,19 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
     kwargs: dict[int, dict[str, Any]] = {}
     threaded: dict[int, dict[str, int]] = {}
     last: list[Any] = [None]
+    refused: list[str] = []
 
     def recorder(i: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, kw: dict) -> None:
-            inputs[i] = (args[0] if args else kw["hidden_states"]).detach()
-            kwargs[i] = {k: _detached(v) for k, v in kw.items() if k != "hidden_states"}
+            try:
+                stream, named = continuation.named(module, args, kw)
+            except Unsupported as e:  # raised once the forward is over, not through the model's call
+                refused.append(str(e))
+                return
+            inputs[i] = stream.detach()
+            kwargs[i] = {k: _detached(v) for k, v in named.items()}
             prev = last[0] if isinstance(last[0], tuple) else ()
-            threaded[i] = {k: j for k, v in kw.items() for j, x in enumerate(prev)
+            threaded[i] = {k: j for k, v in named.items() for j, x in enumerate(prev)
                            if j > 0 and isinstance(v, torch.Tensor) and v is x}
         return hook
 
@@ -121,6 +128,8 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
     finally:
         for h in hooks:
             h.remove()
+    if refused:
+        raise Unsupported(refused[0])
     kv = {}
     layouts = {i: _layout(layer) for i, layer in enumerate(cache.layers)}
     for i in range(len(layers)):  # every attention block: masks are sized by the first one's cache
@@ -337,10 +346,13 @@ def _resize(model: DeltaModel, cache: Any, cap: Capture, i: int, start: int, row
 
 
 def _masks(model: DeltaModel, cap: Capture, cache: Any, start: int) -> dict[str, Any]:
-    """The attention masks of a continuation from `start`, per layer type, as the model makes them."""
-    types = model.spec.layer_types
-    kinds = {kind: types.index(kind) for kind in dict.fromkeys(types)}
-    return continuation.masks(decoder(model._module).config, cache, kinds, cap.seq_len, start,
+    """The attention masks of a continuation from `start`, per layer type and per kind the decoder's call of
+    its blocks names (`continuation.passed_masks`), as the model makes them."""
+    types, dec = model.spec.layer_types, decoder(model._module)
+    kinds: dict[str, int | None] = {kind: types.index(kind) for kind in dict.fromkeys(types)}
+    for block in dict.fromkeys(type(b) for b in dec.layers):
+        kinds.update({k: None for k in continuation.passed_masks(type(dec), block).values() if k not in kinds})
+    return continuation.masks(dec.config, cache, kinds, cap.seq_len, start,
                               next(iter(cap.inputs.values())))
 
 
@@ -403,7 +415,8 @@ def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
             site.direct = _direct_writes(rows[:k], i, start)
         try:
             block = dec.layers[i]
-            kw = continuation.call_kwargs(cap.kwargs[i], cap.seq_len, start, cache, masks[model.spec.layer_types[i]],
+            kw = continuation.call_kwargs(cap.kwargs[i], cap.seq_len, start, cache,
+                                          continuation.block_masks(dec, block, model.spec.layer_types[i], masks),
                                           block, k, cap.full_positions)
             for name, j in cap.threaded.get(i, {}).items():
                 kw[name] = continuation.threaded_value(cap.kwargs[i][name], None if out is None else out[j],
