@@ -77,11 +77,11 @@ def main() -> None:
                 hf(**enc, logits_to_keep=1)
 
         def ours() -> None:
-            shutil.rmtree(out, ignore_errors=True)
             deltalang.run(PROGRAM, model, data={"facts": data}, out=out)
 
         t0 = time.perf_counter()
-        times, peaks = timed({"plain": plain, "deltalang": ours}, args.repeat)
+        times, peaks = timed({"plain": plain, "deltalang": ours}, args.repeat,
+                             before={"deltalang": lambda: shutil.rmtree(out, ignore_errors=True)})
         wall = time.perf_counter() - t0
         col = deltalang.load_results(out)
         _check_first(model, data, col, linear)
@@ -93,12 +93,15 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def timed(cases: dict[str, Callable[[], object]], repeat: int) -> tuple[dict[str, float], dict[str, int]]:
-    """Median seconds and highest peak memory of each case, the cases taking turns (each run timed and watched)."""
+def timed(cases: dict[str, Callable[[], object]], repeat: int, before: dict[str, Callable[[], object]]
+          ) -> tuple[dict[str, float], dict[str, int]]:
+    """Median seconds and highest peak memory of each case, the cases taking turns (each run timed and watched;
+    `before` a case, untimed: the previous collection removed)."""
     samples: dict[str, list[float]] = {k: [] for k in cases}
     peaks = dict.fromkeys(cases, 0)
     for _ in range(repeat):
         for name, fn in cases.items():
+            before.get(name, lambda: None)()
             t0 = time.perf_counter()
             peaks[name] = max(peaks[name], peak_memory(fn))
             samples[name].append(time.perf_counter() - t0)

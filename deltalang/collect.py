@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import torch
 
-from . import ast
+from . import ast, shard_file
 from .compiled import Experiment
 from .dataset_store import RecordProgress, _sync
 from .datasets import Dataset
@@ -161,6 +161,7 @@ class CollectStore:
             raise DeltaError(f"{directory} holds an unfinished collection: rerun with --resume to continue it, or "
                              f"choose another --out")
         self.next_shard = 1 + max((int(e["shard"][6:11]) for e in self.entries.values()), default=-1)
+        self.writer = shard_file.Writer()
 
     @property
     def done(self) -> set[int]:
@@ -219,36 +220,41 @@ class CollectStore:
             self.flush()
 
     def flush(self) -> None:
-        """Write the buffered records as one shard, sync it, then index them."""
+        """Hand the buffered records to the writer thread as one shard (written and synced, then indexed, while
+        the next records run; the shard before it finished first)."""
         if not self.buffer:
             return
-        from safetensors.torch import save_file
-
         name = shard_name(self.next_shard)
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {}
         for s in self.slots:
             if s.per_record:
                 tensors.update({f"{s.label}@{i}": v[s.label].contiguous() for i, _, v in self.buffer})
             else:
-                tensors[s.label] = torch.stack([v[s.label] for _, _, v in self.buffer])
+                tensors[s.label] = [v[s.label].contiguous() for _, _, v in self.buffer]  # stacked as written
+        buffer = self.buffer
+        self.writer.submit(lambda: self._write_shard(name, tensors, buffer))
+        self.next_shard += 1
+        self.buffer, self.buffered = [], 0
+
+    def _write_shard(self, name: str, tensors: Mapping[str, torch.Tensor | list[torch.Tensor]],
+                     buffer: list[tuple[int, dict[str, Any], dict[str, torch.Tensor]]]) -> None:
+        """(On the writer thread.) The shard, synced, then its records' index lines, synced, then the progress."""
         tmp = self.dir / (name + ".tmp")
-        save_file(tensors, str(tmp))
-        with open(tmp, "rb+") as f:
-            _sync(f)
+        shard_file.write_file(tmp, tensors)
         os.replace(tmp, self.dir / name)
         with open(self.dir / INDEX, "a", encoding="utf-8") as f:
-            for row, (i, entry, _) in enumerate(self.buffer):
+            for row, (i, entry, _) in enumerate(buffer):
                 self.entries[i] = dict(entry, shard=name, row=row)
                 f.write(json.dumps(self.entries[i]) + "\n")
             _sync(f)
-        self.next_shard += 1
-        self.buffer, self.buffered = [], 0
         self.meta["done"] = len(self.entries)
         self._write_meta()
 
     def finish(self, manifest: Mapping[str, Any], write_rest: Callable[[Path], None]) -> None:
         """Write the last shard, the other files, then the manifest; the run is complete."""
         self.flush()
+        self.writer.wait()
+        self.writer.close()
         write_rest(self.dir)
         shards = sorted({e["shard"] for e in self.entries.values()})
         whole = dict(manifest, kind=KIND, records_collected=len(self.entries), shards=shards,
@@ -276,7 +282,13 @@ class CollectStore:
         return {"shape": None if s.per_record else shape[1:], "axes": axes, "dtype": dtype}
 
     def abandon(self) -> None:
-        """After a failure: with no record indexed, remove what was written (and DIR if made here)."""
+        """After a failure: with no record indexed, remove what was written (and DIR if made here). A shard being
+        written is finished first (a failure of its own is dropped: the run's failure is the one raised)."""
+        try:
+            self.writer.wait()
+        except Exception:
+            pass
+        self.writer.close()
         if self.entries or not self.started:
             return
         for f in [*self.dir.glob("shard-*.safetensors*"), self.dir / INDEX, self.dir / PROGRESS]:
@@ -309,10 +321,18 @@ def run_group(group: Sequence[RecordResolution], labels: Mapping[int, Mapping[st
     measures: dict[int, dict[str, float]] = {}
     for (i, res), r in zip(parts, group):
         k = f"#{i}" if len(parts) > 1 else ""
-        values[i] = {label: results[_key(name, k)][0].detach().cpu().clone() for name, label in labels[i].items()}
+        values[i] = {label: _own(results[_key(name, k)][0]) for name, label in labels[i].items()}
         measures[i] = {measure_label(run_.name, m): float(results[_key(m.result_name, k)])
                        for run_ in res.runs for m in run_.measures}
     return Collected(values, measures)
+
+
+def _own(value: torch.Tensor) -> torch.Tensor:
+    """A record's value kept until its shard is written: the tensor itself where it is all of its own memory
+    (a read's row, made for it), else a copy (a view would keep a whole batch's tensor alive)."""
+    value = value.detach().cpu()
+    whole = value.is_contiguous() and value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    return value if whole else value.clone()
 
 
 def _key(name: str, k: str) -> str:
