@@ -25,7 +25,7 @@ from deltalang import measures, ssd, testing_ssd
 FAMILIES = ("bamba", "granitemoehybrid")
 PROMPT = "The Eiffel Tower is in Paris, and the Gate is in Berlin."  # 56 byte tokens: past two of ssd's chunks
 SHORT = PROMPT[:19]
-AXES = ("b", "s", "heads", "key_dim", "value_dim")
+AXES = ("b", "s", "heads", "head_dim", "d_state")
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,19 +74,70 @@ def no_every_state(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_norms_means_and_heads_of_states_equal_the_cache(name: str, no_every_state: None) -> None:
     model, _, states = _truth(name)
     i, j = sorted(states)[:2]
-    r = _run(model, f"read L{i}.states.norm(key_dim, value_dim) as n\nread L{i}.states.mean(positions) as m\n"
+    r = _run(model, f"read L{i}.states.norm(head_dim, d_state) as n\nread L{i}.states.mean(positions) as m\n"
                     f"read L{i}.states.head(1) as h\nread L{i}.states.head(0).mean(positions).norm() as hm\n"
-                    f"measure norm(L[ssm].states)\nmeasure norm(L{j}.states, over=[positions, heads]) as np\n"
-                    f"read L{j}.states.norm(key_dim) as nk")
+                    f"measure norm(L[ssm].states)\nmeasure norm(L{j}.states, over=[positions, heads]) as np")
     s = states[i]
     _close(r["n"], torch.linalg.vector_norm(s, dim=(-2, -1)))
     _close(r["m"], s.mean(dim=1))
     _close(r["h"], s[:, :, 1])
     _close(r["hm"], torch.linalg.vector_norm(s[:, :, 0].mean(dim=1), dim=(-2, -1)))
     _close(r["np"], torch.linalg.vector_norm(states[j], dim=(1, 2)))
-    _close(r["nk"], torch.linalg.vector_norm(states[j], dim=3))  # key_dim names head_dim on a Mamba-2 block
     for k in states:
         _close(r[f"t.norm(L{k}.states)"], torch.linalg.vector_norm(states[k].flatten(2), dim=-1))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_mamba2_states_axes_are_head_dim_and_d_state(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Mamba-2 block a state's axes are head_dim (x's side, the cache state's axis -2) and d_state (B's and
+    C's, axis -1): a norm over either one is that axis of transformers' cached state, per token (streamed), after
+    token t and in a measure; a norm over both (and heads) is served from the squared norms, nothing streamed.
+    `key_dim` there is a located error naming the axes the value has; `check` and the summary name the axes."""
+    from deltalang.errors import DeltaError
+
+    model, _, states = _truth(name)
+    i, j = sorted(states)[:2]
+    r = _run(model, f"read L{i}.states.norm(d_state) as nd\nread L{i}.states.norm(head_dim) as nh\n"
+                    f"read L{j}.state_after(5).norm(d_state) as ad\nread L{j}.state_output.mean(head_dim) as oh\n"
+                    f"measure norm(L{j}.states, over=[head_dim]) as mh\nread L{j}.state_output as so")
+    _close(r["nd"], torch.linalg.vector_norm(states[i], dim=-1))
+    _close(r["nh"], torch.linalg.vector_norm(states[i], dim=-2))
+    _close(r["ad"], torch.linalg.vector_norm(states[j][:, 5], dim=-1))
+    _close(r["oh"], states[j][:, -1].mean(dim=-2))
+    _close(r["mh"], torch.linalg.vector_norm(states[j], dim=-2))
+    d = model.spec.dims
+    summary = next(line for line in r.summary().splitlines() if line.startswith("so "))
+    assert summary.endswith(f"[b=1, heads={d['heads']}, head_dim={d['head_dim']}, d_state={d['d_state']}]"), summary
+
+    def refused(*a: Any, **k: Any) -> None:
+        raise AssertionError("a norm over a Mamba-2 state's axes was streamed")
+    monkeypatch.setattr(ssd, "per_token_reduced", refused)
+    r = _run(model, f"read L{i}.states.norm(d_state, head_dim) as n\nmeasure norm(L{i}.states) as every")
+    _close(r["n"], torch.linalg.vector_norm(states[i], dim=(-2, -1)))
+    _close(r["every"], torch.linalg.vector_norm(states[i].flatten(2), dim=-1))
+    shown = deltalang.check(f"read L{i}.states.norm(d_state) as nd", model.spec, prompt="abc").run("main").ops[0]
+    assert shown.reduce.shape == (("b", 1), ("s", 3), ("heads", d["heads"]), ("head_dim", d["head_dim"]))
+    wrong = ((f"read L{i}.states.norm(key_dim)", "norm(key"),
+             ("measure norm(L[ssm].state_output, over=[value])", "norm(L"))
+    for text, at in wrong:
+        with pytest.raises(DeltaError) as err:
+            deltalang.check(text, model.spec, prompt="abc")
+        line = str(err.value)
+        assert "axes are [b, " in line and "heads, head_dim, d_state]" in line, line
+        assert f":1:{text.index(at) + 1}:" in line, line
+
+
+def test_a_deltanet_states_axes_stay_key_dim_and_value_dim() -> None:
+    """On a DeltaNet block a state's axes are still key_dim and value_dim: d_state is a located error there."""
+    from deltalang.errors import DeltaError
+
+    spec = deltalang.load_spec()  # the bundled Qwen3.5 model
+    i = spec.linear_layers()[0]
+    assert deltalang.check(f"read L{i}.states.norm(key_dim) as n", spec, prompt="The").run("main").ops[0] \
+        .reduce.shape[-1][0] == "value_dim"
+    with pytest.raises(DeltaError) as err:
+        deltalang.check(f"read L{i}.states.norm(d_state)", spec, prompt="The")
+    assert "axes are [b, s, heads, key_dim, value_dim]" in str(err.value)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -99,8 +150,8 @@ def test_projection_onto_a_direction_is_the_dot_product(name: str, tmp_path: Pat
     i = sorted(states)[-1]
     d = model.spec.dims
     gen = torch.Generator().manual_seed(3)
-    direction = torch.randn(d["heads"], d["key_dim"], d["value_dim"], generator=gen)
-    per_head = torch.randn(d["key_dim"], d["value_dim"], generator=gen)
+    direction = torch.randn(d["heads"], d["head_dim"], d["d_state"], generator=gen)
+    per_head = torch.randn(d["head_dim"], d["d_state"], generator=gen)
     safetensors.torch.save_file({"d": direction}, str(tmp_path / "dir.safetensors"))
     safetensors.torch.save_file({"d": per_head}, str(tmp_path / "head.safetensors"))
     streamed = ssd.per_token_reduced
@@ -125,8 +176,8 @@ def test_padded_invokes_reduce_their_own_positions_only(no_every_state: None) ->
     r = deltalang.run(f'prompt a = "{PROMPT}"\nprompt b = "{SHORT}"\n'
                       f"trace ta on a {{ read L{i}.states.mean(positions) as ma }}\n"
                       f"trace tb on b {{ read L{i}.states.mean(positions) as mb\n"
-                      f"read L{i}.states.norm(key_dim, value_dim, positions) as nb\n"
-                      f"read L{i}.states.norm(key_dim, value_dim) as pb }}\n", model=model)
+                      f"read L{i}.states.norm(head_dim, d_state, positions) as nb\n"
+                      f"read L{i}.states.norm(head_dim, d_state) as pb }}\n", model=model)
     n = len(SHORT)
     _close(r["ma"], states[i].mean(dim=1))
     _close(r["mb"], states[i][:, :n].mean(dim=1))
