@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import cache_after
 
 import deltalang
 from deltalang.bundled import MAMBA2_NAME, MAMBA2_PATH, MODELS, NAME, measure, world
@@ -71,7 +72,6 @@ def test_info_lists_its_mamba2_blocks(capsys: pytest.CaptureFixture[str]) -> Non
 def test_a_collection_names_a_mamba2_states_axes(tmp_path: Path, model: deltalang.DeltaModel) -> None:
     """A run over a dataset that reads a Mamba-2 state collects transformers' cached state after the subject
     (`[heads, head_dim, d_state]` per record) and its manifest names the axes so."""
-    from deltalang.compat import output_cache
     from deltalang.dataset_run import run_dataset
     from deltalang.testing import load_hf
 
@@ -87,9 +87,7 @@ def test_a_collection_names_a_mamba2_states_axes(tmp_path: Path, model: deltalan
     end = start + len(rec["subject"])
     last = max(i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < end and b > start)
     hf = load_hf(MAMBA2_PATH, dtype=torch.float32).eval()
-    with torch.no_grad():
-        cache = output_cache(hf(torch.tensor([enc["input_ids"][:last + 1]]), use_cache=True))
-    want = cache.get_recurrent_state(1)[0].float()
+    want = cache_after(hf, torch.tensor([enc["input_ids"]]), last).get_recurrent_state(1)[0].float()
     got = col[0][1]["s"].float()
     assert got.shape == want.shape and float((got - want).norm() / want.norm()) < 1e-4
 

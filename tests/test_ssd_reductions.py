@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from reference import cache_after
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deltalang
@@ -39,12 +40,10 @@ def _truth(name: str) -> tuple[Any, Any, dict[int, torch.Tensor]]:
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     layers = [i for i, _ in testing_ssd.ssd_mixers(hf)]
     per: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-    with torch.no_grad():
-        for t in range(ids.shape[1]):
-            pos = torch.arange(t + 1)[None]
-            cache = hf(ids[:, :t + 1], use_cache=True, position_ids=pos).past_key_values
-            for i in layers:
-                per[i].append(cache.get_recurrent_state(i).float())
+    for t in range(ids.shape[1]):
+        cache = cache_after(hf, ids, t)
+        for i in layers:
+            per[i].append(cache.get_recurrent_state(i).float())
     return model, hf, {i: torch.stack(v, dim=1) for i, v in per.items()}
 
 
@@ -196,8 +195,7 @@ def test_under_generate_a_decode_step_reduces_its_one_token() -> None:
     ids = model.tokenizer(SHORT, return_tensors="pt").input_ids
     new = torch.as_tensor(r["g.tokens"]).reshape(1, -1)[:, :1]
     seq = torch.cat([ids, new], dim=1)
-    with torch.no_grad():
-        cache = hf(seq, use_cache=True, position_ids=torch.arange(seq.shape[1])[None]).past_key_values
+    cache = cache_after(hf, seq, seq.shape[1] - 1)
     after = cache.get_recurrent_state(i).float()
     _close(r["m.step1"], after)
     _close(r["n.step1"], torch.linalg.vector_norm(after.flatten(1), dim=-1)[:, None])
