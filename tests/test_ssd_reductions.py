@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from reference import cache_after
+from reference import cache_after, hf_forward, step_replaced
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deltalang
 from deltalang import measures, ssd, testing_ssd
+from deltalang.compat import output_cache
 
 FAMILIES = ("bamba", "granitemoehybrid")
 PROMPT = "The Eiffel Tower is in Paris, and the Gate is in Berlin."  # 56 byte tokens: past two of ssd's chunks
@@ -137,6 +138,42 @@ def test_a_deltanet_states_axes_stay_key_dim_and_value_dim() -> None:
     with pytest.raises(DeltaError) as err:
         deltalang.check(f"read L{i}.states.norm(d_state)", spec, prompt="The")
     assert "axes are [b, s, heads, key_dim, value_dim]" in str(err.value)
+
+
+@pytest.mark.parametrize("engine", ["fast", "naive"])
+def test_a_sweep_reduces_a_mamba2_state_over_its_named_axes(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's measure of the last Mamba-2 block's state averaged over head_dim (one number a cell after its
+    norm), the engine's and the reference path's: transformers with each cell's state after t zeroed (tokens
+    0..t-1, token t a step whose state update ends in zeros, the rest continued from that cache)."""
+    import importlib
+
+    from deltalang.sweep import run_sweep
+
+    model, hf, _ = _truth("bamba")
+    ssm = model.spec.ssm_layers()
+    last = ssm[-1]
+    measure = f"norm(L{last}.state_output.mean(head_dim))"
+    src = (f'prompt clean = "{SHORT}"\nsweep zero on clean over L in L[ssm], t in 4..6 {{\n'
+           f"    write L.state_after(t) = zeros\n    measure {measure}\n}}\n")
+    if engine == "fast":
+        def refused(*a: Any, **k: Any) -> None:
+            raise AssertionError("the sweep fell back to the reference path")
+        monkeypatch.setattr(importlib.import_module("deltalang.sweep.engine"), "run_naive", refused)
+    out = run_sweep(src, model, progress=False, **({} if engine == "fast" else {"engine": "naive"}))
+    ids = model.tokenizer(SHORT, return_tensors="pt").input_ids
+    seen = 0
+    for layer in ssm:
+        for t in (4, 5):
+            cache = cache_after(hf, ids, t - 1)
+            zeros = torch.zeros_like(cache.get_recurrent_state(layer))
+            with step_replaced("bamba", hf, {layer: zeros}):
+                cache = output_cache(hf_forward(hf, ids[:, t:t + 1], cache, start=t))
+            cache = output_cache(hf_forward(hf, ids[:, t + 1:], cache, start=t + 1))
+            want = cache.get_recurrent_state(last).float().mean(dim=-2).norm()
+            got = out.results[f"zero[L={layer},t={t}].{measure}"]
+            assert abs(float(got) - float(want)) <= 1e-4 * float(want), (layer, t, got, float(want))
+            seen += 1
+    assert seen == len(out.results) == 2 * len(ssm)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
