@@ -33,6 +33,7 @@ from .ir import Named, Resolved, site_text
 from .model import DeltaModel
 from .resolve import RecordResolution
 from .results import axis_names
+from .values import DELTANET
 
 SHARD_BYTES = 256 * 2**20
 MANIFEST, PROGRESS, INDEX = "collection.json", "progress.json", "index.jsonl"
@@ -57,6 +58,7 @@ class Slot:
     value: str
     layer: int | None
     per_record: bool
+    block: str = DELTANET  # the kind of the model's recurrent blocks: names the axes (a Mamba-2 state's)
 
 
 def read_label(program: ast.Program, run: str, op: Any) -> str:
@@ -101,13 +103,14 @@ class Collected:
     measures: dict[int, dict[str, float]]
 
 
-def slots_of(first: Mapping[str, torch.Tensor], values: Mapping[str, str], layers: Mapping[str, int | None]) \
-        -> list[Slot]:
-    """The labels of a record's values: per record when the value's axes have the record's tokens (`s`)."""
+def slots_of(first: Mapping[str, torch.Tensor], values: Mapping[str, str], layers: Mapping[str, int | None],
+             block: str = DELTANET) -> list[Slot]:
+    """The labels of a record's values: per record when the value's axes have the record's tokens (`s`);
+    `block`: the kind of the model's recurrent blocks (`Family.block_kind`)."""
     out = []
     for label, v in first.items():
-        names = axis_names(values[label], v.dim() + 1)
-        out.append(Slot(label, values[label], layers[label], names is None or "s" in names))
+        names = axis_names(values[label], v.dim() + 1, block)
+        out.append(Slot(label, values[label], layers[label], names is None or "s" in names, block))
     return out
 
 
@@ -277,7 +280,7 @@ class CollectStore:
             key = f"{s.label}@{first['record']}" if s.per_record else s.label
             sl = f.get_slice(key)
             shape, dtype = list(sl.get_shape()), sl.get_dtype()
-        full = axis_names(s.value, len(shape) + (1 if s.per_record else 0))
+        full = axis_names(s.value, len(shape) + (1 if s.per_record else 0), s.block)
         axes = ["record", *full[1:]] if full is not None else None
         return {"shape": None if s.per_record else shape[1:], "axes": axes, "dtype": dtype}
 

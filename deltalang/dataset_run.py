@@ -263,7 +263,7 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
     if first is not None:
         assert groups[0][0].resolved is not None
         values, layers = layer_of(groups[0][0].resolved, labels[groups[0][0].record.index])
-        slots = slots_of(next(iter(first.values.values())), values, layers)
+        slots = slots_of(next(iter(first.values.values())), values, layers, model.spec.family.block_kind)
         check_fits(Path(out), estimate(first, groups, slots), sum(len(g) for g in groups))
     else:
         slots = []

@@ -125,17 +125,17 @@ def format_info(spec: ModelSpec) -> str:
     ssm = spec.family.block_kind == values.SSM
     count = f"{len(spec.ssm_layers())} Mamba-2" if ssm else f"{len(spec.linear_layers())} DeltaNet"
     head = Table(title=f"{spec.model_id}  ({spec.family.name}, {spec.num_layers} blocks, {count})"
-                       + ("; a Mamba-2 state is heads x head_dim x d_state: key_dim = head_dim, value_dim = d_state"
-                          if ssm else ""), show_lines=False)
-    for col in ("block", "kind", "family", "heads", "key_dim", "value_dim", "conv", "prompt kernel",
-                "decode kernel"):
+                       + ("; a Mamba-2 state is heads x head_dim x d_state" if ssm else ""), show_lines=False)
+    # a state's two axes as reductions name them (`values.axes`): key_dim, value_dim; a Mamba-2 one's head_dim, d_state
+    state_axes = values.axes("state_output", kind=spec.family.block_kind)[-2:]  # type: ignore[index]
+    for col in ("block", "kind", "family", "heads", *state_axes, "conv", "prompt kernel", "decode kernel"):
         head.add_column(col)
     for i in range(spec.num_layers):
         if spec.kind(i) in values.RECURRENT:
             kind = "DeltaNet" if spec.kind(i) == values.DELTANET else (
                 "Mamba-2 + attention" if spec.attention_too(i) else "Mamba-2")
-            head.add_row(f"L{i}", kind, spec.family.name, str(d["heads"]), str(d["key_dim"]),
-                         str(d["value_dim"]), str(d["conv_width"]), prompt, decode)
+            head.add_row(f"L{i}", kind, spec.family.name, str(d["heads"]), *(str(d[a]) for a in state_axes),
+                         str(d["conv_width"]), prompt, decode)
         else:
             head.add_row(f"L{i}", "MLP" if spec.kind(i) == values.MLP else "attention", spec.family.name,
                          "", "", "", "", "", "")

@@ -148,6 +148,8 @@ def top(logits: torch.Tensor, k: int) -> TopK:
 # ---- reductions ---------------------------------------------------------------
 
 BATCH, POSITIONS = "b", "s"
+# `states` as the catalogue names its axes on a DeltaNet block and on a Mamba-2 block (`values.axes`)
+STATE_AXES = ((BATCH, POSITIONS, "heads", "key_dim", "value_dim"), (BATCH, POSITIONS, "heads", "head_dim", "d_state"))
 REDUCE_KINDS = ("head", "norm", "mean", "project")
 
 
@@ -238,17 +240,19 @@ class Reduction:
         return f"Reduction({self.axes!r}, {[(k, 'tensor' if k == 'project' else a) for k, a in self.steps]!r})"
 
     def uses_head_norms(self, pads: Sequence[int] | None = None) -> bool:
-        """Whether the chain starts with a norm of `states` over `key_dim, value_dim` (and maybe `heads`), so
-        that its result follows from each head's squared state norm (`from_head_norms`), which the value layer
-        computes without the states (`deltarule.per_token_sq_norms`). Not where a later step over positions
+        """Whether the chain starts with a norm of `states` over its state axes (`key_dim, value_dim`; a Mamba-2
+        block's `head_dim, d_state`) and maybe `heads`, so that its result follows from each head's squared state
+        norm (`from_head_norms`), which the value layer computes without the states (`deltarule.per_token_sq_norms`,
+        `ssd.per_token_sq_norms`). Not where a later step over positions
         would count a padded row's padding."""
-        if self.axes != (BATCH, POSITIONS, "heads", "key_dim", "value_dim") or not self.steps:
+        if self.axes not in STATE_AXES or not self.steps:
             return False
         kind, arg = self.steps[0]
         if kind != "norm":
             return False
-        over = set(arg) if arg is not None else {"heads", "key_dim", "value_dim"}
-        if over not in ({"key_dim", "value_dim"}, {"heads", "key_dim", "value_dim"}):
+        matrix = set(self.axes[3:])
+        over = set(arg) if arg is not None else {"heads", *matrix}
+        if over not in (matrix, {"heads", *matrix}):
             return False
         return not any(pads or ()) or self.keeps_positions
 

@@ -27,20 +27,20 @@ from . import html
 from .errors import DeltaError
 from .measures import TopK
 from .model import DeltaModel
-from .values import CATALOGUE, MODEL_VALUES
+from .values import CATALOGUE, DELTANET, MODEL_VALUES, shape_on
 from .version import __version__
 
 NORM = "‖·‖F"  # how summaries name the Frobenius norm
 NONNEGATIVE = ("kl",)  # measures >= 0 in exact arithmetic: float noise below 0 is shown as 0
 
 
-def axis_names(kind: str, ndim: int) -> list[str] | None:
-    """The axis names of value `kind` from its catalogue shape (`[b, heads, key_dim, value_dim]`), if `ndim` fits.
+def axis_names(kind: str, ndim: int, block: str = DELTANET) -> list[str] | None:
+    """The axis names of value `kind` from its catalogue shape on a block of kind `block` (`values.shape_on`:
+    `[b, heads, key_dim, value_dim]`, a Mamba-2 block's `[b, heads, head_dim, d_state]`), if `ndim` fits.
 
     A shape with alternatives (`[b, s, heads] (Kimi: [b, s, heads, key_dim])`) gives the one with `ndim` axes.
     """
-    value = CATALOGUE.get(kind)
-    shape = value.shape if value is not None else MODEL_VALUES.get(kind, "")
+    shape = shape_on(kind, block) if kind in CATALOGUE else MODEL_VALUES.get(kind, "")
     for group in re.findall(r"\[([^\]]*)\]", shape):
         names = [n.strip() for n in group.split(",")]
         if len(names) == ndim:
@@ -48,10 +48,11 @@ def axis_names(kind: str, ndim: int) -> list[str] | None:
     return None
 
 
-def named_shape(kind: str, shape: Sequence[int], head: bool = False) -> str:
+def named_shape(kind: str, shape: Sequence[int], head: bool = False, block: str = DELTANET) -> str:
     """`[b=1, heads=4, key_dim=32, value_dim=32]`, or `[1, 4, 32, 32]` for a value without catalogue names;
-    `head`: one head's slice (`.head(h)`), the value's axes without `heads` (`[b=1, key_dim=32, value_dim=32]`)."""
-    names = axis_names(kind, len(shape) + 1) if head else axis_names(kind, len(shape))
+    `head`: one head's slice (`.head(h)`), the value's axes without `heads` (`[b=1, key_dim=32, value_dim=32]`);
+    `block`: the kind of block it is of (a Mamba-2 state's axes: `head_dim`, `d_state`)."""
+    names = axis_names(kind, len(shape) + (1 if head else 0), block)
     if head and names is not None:
         names = [n for n in names if n != "heads"] if "heads" in names else None
     if names is None:
@@ -135,6 +136,8 @@ class Results(Mapping[str, Any]):
         """What `deltalang run` prints: a line per result (shapes with axis names, norms named)."""
         lines = []
         tok = self._model.tokenizer if self._model is not None else None
+        # the model's recurrent blocks are of one kind: a Mamba-2 model's states are named head_dim, d_state
+        block = self._model.spec.family.block_kind if self._model is not None else DELTANET
         normed = False
         for k, v in self._values.items():
             if isinstance(v, TopK):
@@ -150,13 +153,13 @@ class Results(Mapping[str, Any]):
                     best = ", ".join(f"{tok.decode([i])!r} {x:.3f}" for x, i in zip(vals.tolist(), ids.tolist()))
                     lines.append(f"{k:48} top: {best}")
             elif self._kind(k) == "norm" and v.dim() == 2 and k in self._labels:
-                over = ", ".join(axis_names("states", 5)[2:])
+                over = ", ".join(axis_names("states", 5, block)[2:])  # type: ignore[index]
                 lines.append(f"{k:48} per token, {NORM} over {over}:")
                 for label, x in zip(self._labels[k], v[0].tolist()):
                     lines.append(f"    {label!r:14} {x:.4f}")
             else:
                 normed = True
-                shape = named_shape(self._kind(k), v.shape, head=re.search(r"\.head\(\d+\)$", k) is not None)
+                shape = named_shape(self._kind(k), v.shape, re.search(r"\.head\(\d+\)$", k) is not None, block)
                 lines.append(f"{k:48} {NORM} {float(v.float().norm()):<10.4f} {shape}")
         if normed:
             lines.append(f"({NORM}: the Frobenius norm over every axis of the tensor)")

@@ -1,11 +1,10 @@
 """The value catalogue: every value a block serves, and its facts, in one place.
 
-The front end checks programs against this table (does the value exist on the
-block kind, does it take a position, can it be written), the planner orders ops
-by `order`, and the model side (`deltalang.mixer`) serves the values named here:
-the user side's properties and methods (`DeltaNetEnvoy.states`,
-`.state_after(t)` / `.set_state_after(t, v)`) are generated from this table,
-with `doc` (and `write_doc`) as their docstrings. A new value is one entry here.
+The front end checks programs against this table (does the value exist on the block kind, does it take a
+position, can it be written, its axes there: `axes`, a Mamba-2 state's `head_dim, d_state`), the planner
+orders ops by `order`, and the model side (`deltalang.mixer`) serves the values named here: the user side's
+properties and methods (`DeltaNetEnvoy.states`, `.state_after(t)` / `.set_state_after(t, v)`) are generated
+from this table, with `doc` (and `write_doc`) as their docstrings. A new value is one entry here.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class Value:
     kernel: bool = True  # served at the DeltaNet kernel (needs the pure-torch kernel)
     per_token: bool = False  # has a sequence axis
     write_doc: str = ""  # a positional value's write: the docstring of the envoy's `set_<name>(t, value)`
-    ssm_shape: str = ""  # its shape on a Mamba-2 block, where a DeltaNet one's differs (`shape_on`)
+    ssm_shape: str = ""  # its shape on a Mamba-2 block, where a DeltaNet one's differs (`shape_on`, `axes`)
 
 
 # `order` follows the mixer's forward: the convolution runs before the kernel,
@@ -87,7 +86,8 @@ CATALOGUE: dict[str, Value] = {
               "head_dim, d_state]; read-only).", kinds=(DELTANET, SSM), order=40, per_token=True,
               ssm_shape="[b, s, heads, head_dim, d_state]"),
         Value("state_after", "[b, heads, key_dim, value_dim]",
-              "The state after token t of the call (t may be negative): [b, heads, key_dim, value_dim].",
+              "The state after token t of the call (t may be negative): [b, heads, key_dim, value_dim] (Mamba-2: "
+              "[b, heads, head_dim, d_state]).",
               kinds=(DELTANET, SSM), writable=True, positional=True, order=50,
               write_doc="Replace the state after token t: token t's output reads it, tokens t+1.. continue from it.",
               ssm_shape="[b, heads, head_dim, d_state]"),
@@ -98,7 +98,8 @@ CATALOGUE: dict[str, Value] = {
               "Each head's read of the state, D * x included, before the gated norm and output projection: "
               "[b, s, heads, head_dim].", kinds=(SSM,), writable=True, order=55, per_token=True),
         Value("state_output", "[b, heads, key_dim, value_dim]",
-              "The state after the call's last token: [b, heads, key_dim, value_dim].", kinds=(DELTANET, SSM),
+              "The state after the call's last token: [b, heads, key_dim, value_dim] (Mamba-2: [b, heads, head_dim, "
+              "d_state]).", kinds=(DELTANET, SSM),
               writable=True, order=60, ssm_shape="[b, heads, head_dim, d_state]"),
         # Mamba-2's gate reaches the gated norm, not the scan call: served where the norm receives it
         Value("gate", "[b, s, inner]",
@@ -138,13 +139,15 @@ def get(name: str) -> Value | None:
     return CATALOGUE.get(name)
 
 
-def axes(name: str, per_channel_decay: bool = False) -> tuple[str, ...] | None:
-    """A value's axes as its catalogue shape names them (`("b", "s", "heads", "key_dim", "value_dim")`),
-    `decays` with `key_dim` on a per-channel family (Kimi); None for a value with no tensor shape (`tokens`)."""
+def axes(name: str, per_channel_decay: bool = False, kind: str = DELTANET) -> tuple[str, ...] | None:
+    """A value's axes on a block of `kind` as its catalogue shape there names them (`shape_on`: a DeltaNet
+    block's `states` `("b", "s", "heads", "key_dim", "value_dim")`, a Mamba-2 block's `("b", "s", "heads",
+    "head_dim", "d_state")`), `decays` with `key_dim` on a per-channel family (Kimi); None for a value with no
+    tensor shape (`tokens`). A model's recurrent blocks are of one kind (its family's mechanism), so every
+    block of a selection names a value's axes alike."""
     if name == "decays" and per_channel_decay:
         return ("b", "s", "heads", "key_dim")
-    v = CATALOGUE.get(name)
-    shape = v.shape if v is not None else MODEL_VALUES.get(name)
+    shape = shape_on(name, kind) if name in CATALOGUE else MODEL_VALUES.get(name)
     if shape is None or name == "tokens":
         return None
     return tuple("window" if a == "width-1" else a for a in shape.split("]")[0].strip("[ ").split(", "))

@@ -29,17 +29,26 @@ values above is done here, by hand.
 Steps: step 0 is the prompt (positions 0..n-1), step k >= 1 runs the k-th new
 token's predecessor (position n+k-1); new tokens are greedy with end-of-text
 suppressed (as `min_new_tokens=max_new_tokens` does).
+
+For Mamba-2 (SSD) blocks the tests build their truth from the same pieces, kept here once:
+`hf_forward` (transformers' forward with a cache, positions from `start` where the model takes them),
+`cache_after` (its cache after tokens 0..t), `kernel_patched` (a kernel global of the family's modeling module,
+the scan `ssd.SCAN_GLOBAL`, the decode step `ssd.STEP_GLOBAL` or the convolution, called through a wrapper
+told which Mamba-2 mixer runs: `mixer_running`, `kernel_global`) and `step_replaced` (a one-token step whose
+state update ends in a written state, which the token reads: y = h C + D x).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import inspect
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from deltalang import families, kernels
+from deltalang import families, kernels, ssd, testing_ssd
 from deltalang.compat import cache_kwargs, output_cache
 from deltalang.model import decoder, decoder_layers
 
@@ -284,3 +293,87 @@ class Reference:
                 if w.at(layer, "conv_window_after", 0, t):
                     window[:, :, 1:] = w.fn(window[:, :, 1:].clone(), t)
             step.conv.setdefault(layer, []).append(window[:, :, 1:].clone())
+
+
+# -- Mamba-2 (SSD) blocks: transformers' forward and cache, its kernel globals patched per mixer --------------
+
+
+def hf_forward(hf: Any, ids: torch.Tensor, cache: Any = None, start: int = 0, *,
+               attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+               no_grad: bool = True) -> Any:
+    """transformers' forward of `ids` with a cache (continuing `cache` where given), at positions from `start`
+    where the model takes them (bamba continues at its positions); `no_grad=False`: under the caller's mode."""
+    kw: dict[str, Any] = {"use_cache": True}
+    if cache is not None:
+        kw |= cache_kwargs(cache, hf)
+    if "position_ids" in inspect.signature(type(hf).forward).parameters:
+        kw["position_ids"] = position_ids if position_ids is not None else torch.arange(start, start + ids.shape[1])[None]
+    if attention_mask is not None:
+        kw["attention_mask"] = attention_mask
+    if not no_grad:
+        return hf(ids, **kw)
+    with torch.no_grad():
+        return hf(ids, **kw)
+
+
+def cache_after(hf: Any, ids: torch.Tensor, t: int) -> Any:
+    """transformers' cache after tokens 0..t: its state after token t, its window."""
+    return output_cache(hf_forward(hf, ids[:, :t + 1]))
+
+
+@contextmanager
+def mixer_running(hf: Any) -> Iterator[list[int]]:
+    """[the cache index of the Mamba-2 mixer running now, -1 outside any] inside the block."""
+    current = [-1]
+    hooks = []
+    for i, mixer in testing_ssd.ssd_mixers(hf):
+        hooks.append(mixer.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i)))
+        hooks.append(mixer.register_forward_hook(lambda *_: current.__setitem__(0, -1)))
+    try:
+        yield current
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextmanager
+def kernel_global(name: str, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Inside the block, family `name`'s modeling module holds `make(original)` as its global `attr`."""
+    module = testing_ssd.modeling_module(name)
+    original = getattr(module, attr)
+    setattr(module, attr, make(original))
+    try:
+        yield
+    finally:
+        setattr(module, attr, original)
+
+
+@contextmanager
+def kernel_patched(name: str, hf: Any, attr: str, wrap: Callable[[int, Callable[..., Any], tuple, dict], Any]
+                   ) -> Iterator[None]:
+    """Inside the block, calls to kernel global `attr` go through `wrap(layer, original, args, kwargs)`, `layer`
+    the cache index of the Mamba-2 mixer calling it."""
+    with mixer_running(hf) as current, kernel_global(
+            name, attr, lambda original: lambda *a, **k: wrap(current[0], original, a, k)):
+        yield
+
+
+@contextmanager
+def step_replaced(name: str, hf: Any, new: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside the block, each layer of `new`'s one-token state update ends in its state, which its token reads
+    (y = h C + D x, gated where the decode kernel takes the gate: falcon_h1)."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                 C: torch.Tensor, D: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+            out = original(state, x, dt, A, B, C, D, **kw)
+            if current[0] not in new:
+                return out
+            state.copy_(new[current[0]].to(state.dtype))
+            Ch = C.float().repeat_interleave(state.shape[1] // C.shape[1], dim=1)  # [b, h, N]
+            y = (state.float() @ Ch[..., None])[..., 0] + D.float() * x.float()  # D: [h, P] as the mixer passes it
+            if kw.get("z") is not None:
+                y = y * F.silu(kw["z"].float())
+            return y.to(out.dtype)
+        return step
+    with mixer_running(hf) as current, kernel_global(name, ssd.STEP_GLOBAL, make):
+        yield

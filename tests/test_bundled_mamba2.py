@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import cache_after
 
 import deltalang
 from deltalang.bundled import MAMBA2_NAME, MAMBA2_PATH, MODELS, NAME, measure, world
@@ -61,6 +62,34 @@ def test_info_lists_its_mamba2_blocks(capsys: pytest.CaptureFixture[str]) -> Non
     rows = [line.split("│")[1:3] for line in out.splitlines() if line.startswith("│ L")]
     kinds = {block.strip(): kind.strip() for block, kind in rows[:8]}
     assert kinds == {f"L{i}": ("attention" if i in (3, 7) else "Mamba-2") for i in range(8)}
+    header = next(line for line in out.splitlines() if "┃ block" in line)
+    assert [c.strip() for c in header.split("┃")[4:7]] == ["heads", "head_dim", "d_state"]  # a state's axes
+    d = deltalang.load_spec(MAMBA2_NAME).dims
+    first = next(line for line in out.splitlines() if line.startswith("│ L0 "))
+    assert [c.strip() for c in first.split("│")[4:7]] == [str(d["heads"]), str(d["head_dim"]), str(d["d_state"])]
+
+
+def test_a_collection_names_a_mamba2_states_axes(tmp_path: Path, model: deltalang.DeltaModel) -> None:
+    """A run over a dataset that reads a Mamba-2 state collects transformers' cached state after the subject
+    (`[heads, head_dim, d_state]` per record) and its manifest names the axes so."""
+    from deltalang.dataset_run import run_dataset
+    from deltalang.testing import load_hf
+
+    rec = RECORDS[0]
+    (tmp_path / "facts.jsonl").write_text(json.dumps(rec) + "\n", encoding="utf-8")
+    source = 'dataset facts = "facts.jsonl"\ntrace t on facts {\n    read L1.state_after(facts.subject) as s\n}\n'
+    (tmp_path / "p.dl").write_text(source, encoding="utf-8")
+    col = run_dataset(source, model, filename=str(tmp_path / "p.dl"), out=tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "collection.json").read_text())
+    assert manifest["reads"][0]["axes"] == ["record", "heads", "head_dim", "d_state"]
+    enc = model.tokenizer(rec["prompt"], return_offsets_mapping=True)
+    start = rec["prompt"].index(rec["subject"])
+    end = start + len(rec["subject"])
+    last = max(i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < end and b > start)
+    hf = load_hf(MAMBA2_PATH, dtype=torch.float32).eval()
+    want = cache_after(hf, torch.tensor([enc["input_ids"]]), last).get_recurrent_state(1)[0].float()
+    got = col[0][1]["s"].float()
+    assert got.shape == want.shape and float((got - want).norm() / want.norm()) < 1e-4
 
 
 def test_a_missing_bundled_model_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

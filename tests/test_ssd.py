@@ -9,12 +9,12 @@ module global the mixer calls; nothing is compared with deltalang's own output.
 from __future__ import annotations
 
 import functools
-import inspect
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
+from reference import hf_forward as _forward
+from reference import kernel_patched
 
 from deltalang import compat, ssd, testing_ssd
 
@@ -40,40 +40,9 @@ def _ids(n: int = PROMPT_LEN, rows: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 259, (rows, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _forward(model: Any, ids: torch.Tensor, cache: Any = None, start: int = 0,
-             attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> Any:
-    """transformers' forward with a cache; positions from `start` where the model takes them (bamba needs them)."""
-    kw: dict[str, Any] = {"use_cache": True}
-    if cache is not None:
-        kw |= compat.cache_kwargs(cache, model)
-    if "position_ids" in inspect.signature(type(model).forward).parameters:
-        kw["position_ids"] = position_ids if position_ids is not None else torch.arange(start, start + ids.shape[1])[None]
-    if attention_mask is not None:
-        kw["attention_mask"] = attention_mask
-    with torch.no_grad():
-        return model(ids, **kw)
-
-
 def _cache_states(out: Any, layers: list[int]) -> dict[int, torch.Tensor]:
     cache = compat.output_cache(out)
     return {i: cache.get_recurrent_state(i).clone() for i in layers}
-
-
-@contextmanager
-def _scan_wrapped(name: str, model: Any, wrap: Callable[[int, Callable, tuple, dict], Any]) -> Iterator[None]:
-    """Calls to the family's scan global go through `wrap(layer, original, args, kwargs)` inside the block."""
-    module = testing_ssd.modeling_module(name)
-    original = getattr(module, ssd.SCAN_GLOBAL)
-    current = [-1]
-    hooks = [mixer.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i))
-             for i, mixer in testing_ssd.ssd_mixers(model)]
-    setattr(module, ssd.SCAN_GLOBAL, lambda *a, **k: wrap(current[0], original, a, k))
-    try:
-        yield
-    finally:
-        setattr(module, ssd.SCAN_GLOBAL, original)
-        for h in hooks:
-            h.remove()
 
 
 def _capture(name: str, model: Any, ids: torch.Tensor) -> tuple[Any, dict[int, tuple[tuple, dict, Any]]]:
@@ -84,7 +53,7 @@ def _capture(name: str, model: Any, ids: torch.Tensor) -> tuple[Any, dict[int, t
         result = original(*a, **k)
         calls[layer] = (a, k, result)
         return result
-    with _scan_wrapped(name, model, record):
+    with kernel_patched(name, model, ssd.SCAN_GLOBAL, record):
         out = _forward(model, ids)
     return out, calls
 
@@ -217,7 +186,7 @@ def test_split_continues_exactly(name: str) -> None:
         y, states, final = ssd.split(original, *a[:5], k["chunk_size"], [3, 9, 16], **_scan_kwargs(k))
         reached[layer] = states
         return (y, final) if k.get("return_final_states") else y
-    with _scan_wrapped(name, model, cut):
+    with kernel_patched(name, model, ssd.SCAN_GLOBAL, cut):
         out = _forward(model, ids)
     _close(out.logits, plain.logits)
     layers = list(calls)
@@ -240,7 +209,7 @@ def _written(name: str, model: Any, ids: torch.Tensor, layer: int, t: int, edite
         y, _, final = ssd.split(original, *a[:5], k["chunk_size"], [t], replace={t: edited}, reread=reread,
                                 **_scan_kwargs(k))
         return (y, final) if k.get("return_final_states") else y
-    with _scan_wrapped(name, model, write):
+    with kernel_patched(name, model, ssd.SCAN_GLOBAL, write):
         return _forward(model, ids)
 
 
@@ -287,7 +256,7 @@ def test_replaced_state_is_read_by_its_own_token(name: str) -> None:
             y[:, -1] = torch.einsum("bhpn,bhn->bhp", edited, C_t) + k["D"].float()[:, None] * a[0][:, -1].float()
             final = edited.clone()
         return y, final
-    with _scan_wrapped(name, model, by_hand):
+    with kernel_patched(name, model, ssd.SCAN_GLOBAL, by_hand):
         prefix = _forward(model, ids[:, : t + 1])
     rest = _forward(model, ids[:, t + 1:], cache=compat.output_cache(prefix), start=t + 1)
     out = _written(name, model, ids, layer, t, edited, reread=True)

@@ -11,16 +11,15 @@ reads it), then the rest from that cache. Nothing is compared with deltalang's o
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import functools
-import inspect
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
+from reference import cache_after, hf_forward, kernel_global, mixer_running
 
 import deltalang
 from deltalang import compat, families, gradients, ssd, testing_ssd
@@ -59,37 +58,7 @@ def _m(logits: torch.Tensor, a: int = A, b: int = B) -> torch.Tensor:
     return logits[0, -1, a].float() - logits[0, -1, b].float()
 
 
-def _forward(hf: Any, ids: torch.Tensor, cache: Any = None, start: int = 0) -> Any:
-    kw: dict[str, Any] = {"use_cache": True}
-    if cache is not None:
-        kw |= compat.cache_kwargs(cache, hf)
-    if "position_ids" in inspect.signature(type(hf).forward).parameters:
-        kw["position_ids"] = torch.arange(start, start + ids.shape[1])[None]
-    return hf(ids, **kw)
-
-
-@contextlib.contextmanager
-def _current_mixer(hf: Any) -> Iterator[list[int]]:
-    """[the cache index of the Mamba-2 mixer running now] inside the block."""
-    current = [-1]
-    hooks = [m.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i))
-             for i, m in testing_ssd.ssd_mixers(hf)]
-    try:
-        yield current
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-@contextlib.contextmanager
-def _global(name: str, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
-    module = testing_ssd.modeling_module(name)
-    original = getattr(module, attr)
-    setattr(module, attr, make(original))
-    try:
-        yield
-    finally:
-        setattr(module, attr, original)
+_forward = functools.partial(hf_forward, no_grad=False)  # under the caller's grad mode: autograd goes through it
 
 
 def _read(leaf: torch.Tensor, x_t: torch.Tensor, C_t: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor:
@@ -127,7 +96,7 @@ def _state_leaf_grad(name: str, hf: Any, ids: torch.Tensor, layer: int, t: int, 
             return (y, final) if want_final else y
         return scan
 
-    with _current_mixer(hf) as current, _global(name, ssd.SCAN_GLOBAL, make), torch.enable_grad():
+    with mixer_running(hf) as current, kernel_global(name, ssd.SCAN_GLOBAL, make), torch.enable_grad():
         m = _m(hf(ids, use_cache=False).logits, a, b)
     assert len(leaves) == 1
     with torch.no_grad():  # the cut scan is the plain forward's
@@ -166,7 +135,7 @@ def _window_cut_grad(name: str, hf: Any, ids: torch.Tensor, layer: int, t: int) 
             return torch.cat([original(x[..., :t + 1], weight, bias, **kw), tail], dim=-1)
         return conv
 
-    with _current_mixer(hf) as current, _global(name, "causal_conv1d_fn", make), torch.enable_grad():
+    with mixer_running(hf) as current, kernel_global(name, "causal_conv1d_fn", make), torch.enable_grad():
         m = _m(hf(ids, use_cache=False).logits)
     assert len(leaves) == 1
     return torch.autograd.grad(m, leaves[0])[0]
@@ -305,7 +274,7 @@ def _patched_ab(name: str, ids: torch.Tensor, layer: int, t: int, state: torch.T
             return y.to(out.dtype)
         return step
 
-    with torch.no_grad(), _current_mixer(hf) as current, _global(name, ssd.STEP_GLOBAL, make):
+    with torch.no_grad(), mixer_running(hf) as current, kernel_global(name, ssd.STEP_GLOBAL, make):
         if state is not None:  # tokens 0..t-1, then token t a step whose state is replaced
             assert t >= 1
             cache = compat.output_cache(_forward(hf, ids[:, :t]))
@@ -323,8 +292,7 @@ def _patched_ab(name: str, ids: torch.Tensor, layer: int, t: int, state: torch.T
 
 
 def _cache_after(name: str, ids: torch.Tensor, t: int) -> Any:
-    with torch.no_grad():
-        return compat.output_cache(_forward(_hf(name), ids[:, :t + 1]))
+    return cache_after(_hf(name), ids, t)
 
 
 @pytest.mark.parametrize("name", ["bamba", "granitemoehybrid"])
@@ -406,12 +374,12 @@ def test_a_blocks_path_integrates_to_the_change_its_end_makes() -> None:
         return make
 
     a, b = _answers(name)
-    with torch.no_grad(), _current_mixer(hf) as current:
-        with _global(name, ssd.SCAN_GLOBAL, keep):
+    with torch.no_grad(), mixer_running(hf) as current:
+        with kernel_global(name, ssd.SCAN_GLOBAL, keep):
             hf(donor_ids, use_cache=False)
         base = float(_m(hf(ids, use_cache=False).logits, a, b))
         for layer in blocks:
-            with _global(name, ssd.SCAN_GLOBAL, swap(layer)):
+            with kernel_global(name, ssd.SCAN_GLOBAL, swap(layer)):
                 want = float(_m(hf(ids, use_cache=False).logits, a, b)) - base
             rec = got[layer][0].blocks[layer]
             assert rec.grad_out is not None and rec.grad_out.shape[0] == steps

@@ -11,12 +11,12 @@ plain forward's logits bit for bit.
 from __future__ import annotations
 
 import functools
-import inspect
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
+from reference import hf_forward as _forward
+from reference import step_replaced
 
 import deltalang
 from deltalang import compat, ssd, testing_ssd
@@ -80,46 +80,6 @@ def _models(name: str) -> tuple[Any, Any]:
     return deltalang.load_model(path), AutoModelForCausalLM.from_pretrained(path).eval()
 
 
-def _forward(hf: Any, ids: torch.Tensor, cache: Any = None, start: int = 0) -> Any:
-    kw: dict[str, Any] = {"use_cache": True}
-    if cache is not None:
-        kw |= compat.cache_kwargs(cache, hf)
-    if "position_ids" in inspect.signature(type(hf).forward).parameters:
-        kw["position_ids"] = torch.arange(start, start + ids.shape[1])[None]
-    with torch.no_grad():
-        return hf(ids, **kw)
-
-
-@contextmanager
-def _step_ends_in(name: str, layer: int, state: torch.Tensor) -> Iterator[None]:
-    """Inside the block, layer's one-token state update ends in `state`, which its token reads (y = h C + D x)."""
-    module = testing_ssd.modeling_module(name)
-    original = getattr(module, ssd.STEP_GLOBAL)
-    hf_layer = dict(testing_ssd.ssd_mixers(_models(name)[1]))[layer]
-    current = [False]
-    hooks = [hf_layer.register_forward_pre_hook(lambda *_: current.__setitem__(0, True)),
-             hf_layer.register_forward_hook(lambda *_: current.__setitem__(0, False))]
-
-    def step(st: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-             C: torch.Tensor, D: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
-        out = original(st, x, dt, A, B, C, D, **kw)
-        if not current[0]:
-            return out
-        st.copy_(state.to(st.dtype))
-        Ch = C.float().repeat_interleave(st.shape[1] // C.shape[1], dim=1)
-        y = (st.float() @ Ch[..., None])[..., 0] + D.float() * x.float()
-        if kw.get("z") is not None:
-            y = y * torch.nn.functional.silu(kw["z"].float())
-        return y.to(out.dtype)
-    setattr(module, ssd.STEP_GLOBAL, step)
-    try:
-        yield
-    finally:
-        setattr(module, ssd.STEP_GLOBAL, original)
-        for h in hooks:
-            h.remove()
-
-
 def _edited_logits(name: str, ids: torch.Tensor, layer: int, writes: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     """transformers' logits of every token, the state of `layer` after each written position replaced in turn."""
     hf = _models(name)[1]
@@ -129,7 +89,7 @@ def _edited_logits(name: str, ids: torch.Tensor, layer: int, writes: list[tuple[
             out = _forward(hf, ids[:, pos:t], cache, pos)
             logits.append(out.logits)
             cache = compat.output_cache(out)
-        with _step_ends_in(name, layer, state):
+        with step_replaced(name, hf, {layer: state}):
             out = _forward(hf, ids[:, t:t + 1], cache, t)
         logits.append(out.logits)
         cache, pos = compat.output_cache(out), t + 1
@@ -152,7 +112,7 @@ def test_two_writes_in_one_block_are_the_cache_edited_twice(name: str) -> None:
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     mixer = model.layers[layer].mamba if hasattr(model.layers[layer], "mamba") else model.layers[layer].mixer
     d = model.spec.dims
-    zeros = torch.zeros(1, d["heads"], d["key_dim"], d["value_dim"])
+    zeros = torch.zeros(1, d["heads"], d["head_dim"], d["d_state"])
     with torch.no_grad(), model.trace(ids):
         mixer.set_state_after(4, zeros)
         before = mixer.state_after(17).save()
@@ -175,7 +135,7 @@ def _cache_after(name: str, ids: torch.Tensor, layer: int, writes: list[tuple[in
     for w, state in writes:
         if w > pos:
             cache = compat.output_cache(_forward(hf, ids[:, pos:w], cache, pos))
-        with _step_ends_in(name, layer, state):
+        with step_replaced(name, hf, {layer: state}):
             cache = compat.output_cache(_forward(hf, ids[:, w:w + 1], cache, w))
         pos = w + 1
     cache = compat.output_cache(_forward(hf, ids[:, pos:t + 1], cache, pos))
@@ -188,7 +148,7 @@ def test_a_row_that_writes_nothing_keeps_the_plain_logits_bit_for_bit() -> None:
     model, _ = _models("granitemoehybrid")
     ssm = model.spec.ssm_layers()
     d = model.spec.dims
-    zeros = torch.zeros(1, d["heads"], d["key_dim"], d["value_dim"])
+    zeros = torch.zeros(1, d["heads"], d["head_dim"], d["d_state"])
     other = "The tower of London is o"
     with torch.no_grad(), model.trace() as tr:
         with tr.invoke(PROMPT):
@@ -208,7 +168,7 @@ def test_writes_out_of_token_order_are_refused_in_one_line() -> None:
     model, hf = _models("bamba")
     layer = [i for i, _ in testing_ssd.ssd_mixers(hf)][0]
     d = model.spec.dims
-    zeros = torch.zeros(1, d["heads"], d["key_dim"], d["value_dim"])
+    zeros = torch.zeros(1, d["heads"], d["head_dim"], d["d_state"])
     with pytest.raises(DeltaError, match="in token order"):
         with torch.no_grad(), model.trace(PROMPT):
             later = model.layers[layer].mamba.state_after(20).save()

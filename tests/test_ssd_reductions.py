@@ -17,15 +17,17 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from reference import cache_after, hf_forward, step_replaced
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import deltalang
 from deltalang import measures, ssd, testing_ssd
+from deltalang.compat import output_cache
 
 FAMILIES = ("bamba", "granitemoehybrid")
 PROMPT = "The Eiffel Tower is in Paris, and the Gate is in Berlin."  # 56 byte tokens: past two of ssd's chunks
 SHORT = PROMPT[:19]
-AXES = ("b", "s", "heads", "key_dim", "value_dim")
+AXES = ("b", "s", "heads", "head_dim", "d_state")
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,12 +41,10 @@ def _truth(name: str) -> tuple[Any, Any, dict[int, torch.Tensor]]:
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     layers = [i for i, _ in testing_ssd.ssd_mixers(hf)]
     per: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-    with torch.no_grad():
-        for t in range(ids.shape[1]):
-            pos = torch.arange(t + 1)[None]
-            cache = hf(ids[:, :t + 1], use_cache=True, position_ids=pos).past_key_values
-            for i in layers:
-                per[i].append(cache.get_recurrent_state(i).float())
+    for t in range(ids.shape[1]):
+        cache = cache_after(hf, ids, t)
+        for i in layers:
+            per[i].append(cache.get_recurrent_state(i).float())
     return model, hf, {i: torch.stack(v, dim=1) for i, v in per.items()}
 
 
@@ -74,19 +74,106 @@ def no_every_state(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_norms_means_and_heads_of_states_equal_the_cache(name: str, no_every_state: None) -> None:
     model, _, states = _truth(name)
     i, j = sorted(states)[:2]
-    r = _run(model, f"read L{i}.states.norm(key_dim, value_dim) as n\nread L{i}.states.mean(positions) as m\n"
+    r = _run(model, f"read L{i}.states.norm(head_dim, d_state) as n\nread L{i}.states.mean(positions) as m\n"
                     f"read L{i}.states.head(1) as h\nread L{i}.states.head(0).mean(positions).norm() as hm\n"
-                    f"measure norm(L[ssm].states)\nmeasure norm(L{j}.states, over=[positions, heads]) as np\n"
-                    f"read L{j}.states.norm(key_dim) as nk")
+                    f"measure norm(L[ssm].states)\nmeasure norm(L{j}.states, over=[positions, heads]) as np")
     s = states[i]
     _close(r["n"], torch.linalg.vector_norm(s, dim=(-2, -1)))
     _close(r["m"], s.mean(dim=1))
     _close(r["h"], s[:, :, 1])
     _close(r["hm"], torch.linalg.vector_norm(s[:, :, 0].mean(dim=1), dim=(-2, -1)))
     _close(r["np"], torch.linalg.vector_norm(states[j], dim=(1, 2)))
-    _close(r["nk"], torch.linalg.vector_norm(states[j], dim=3))  # key_dim names head_dim on a Mamba-2 block
     for k in states:
         _close(r[f"t.norm(L{k}.states)"], torch.linalg.vector_norm(states[k].flatten(2), dim=-1))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_mamba2_states_axes_are_head_dim_and_d_state(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Mamba-2 block a state's axes are head_dim (x's side, the cache state's axis -2) and d_state (B's and
+    C's, axis -1): a norm over either one is that axis of transformers' cached state, per token (streamed), after
+    token t and in a measure; a norm over both (and heads) is served from the squared norms, nothing streamed.
+    `key_dim` there is a located error naming the axes the value has; `check` and the summary name the axes."""
+    from deltalang.errors import DeltaError
+
+    model, _, states = _truth(name)
+    i, j = sorted(states)[:2]
+    r = _run(model, f"read L{i}.states.norm(d_state) as nd\nread L{i}.states.norm(head_dim) as nh\n"
+                    f"read L{j}.state_after(5).norm(d_state) as ad\nread L{j}.state_output.mean(head_dim) as oh\n"
+                    f"measure norm(L{j}.states, over=[head_dim]) as mh\nread L{j}.state_output as so")
+    _close(r["nd"], torch.linalg.vector_norm(states[i], dim=-1))
+    _close(r["nh"], torch.linalg.vector_norm(states[i], dim=-2))
+    _close(r["ad"], torch.linalg.vector_norm(states[j][:, 5], dim=-1))
+    _close(r["oh"], states[j][:, -1].mean(dim=-2))
+    _close(r["mh"], torch.linalg.vector_norm(states[j], dim=-2))
+    d = model.spec.dims
+    summary = next(line for line in r.summary().splitlines() if line.startswith("so "))
+    assert summary.endswith(f"[b=1, heads={d['heads']}, head_dim={d['head_dim']}, d_state={d['d_state']}]"), summary
+
+    def refused(*a: Any, **k: Any) -> None:
+        raise AssertionError("a norm over a Mamba-2 state's axes was streamed")
+    monkeypatch.setattr(ssd, "per_token_reduced", refused)
+    r = _run(model, f"read L{i}.states.norm(d_state, head_dim) as n\nmeasure norm(L{i}.states) as every")
+    _close(r["n"], torch.linalg.vector_norm(states[i], dim=(-2, -1)))
+    _close(r["every"], torch.linalg.vector_norm(states[i].flatten(2), dim=-1))
+    shown = deltalang.check(f"read L{i}.states.norm(d_state) as nd", model.spec, prompt="abc").run("main").ops[0]
+    assert shown.reduce.shape == (("b", 1), ("s", 3), ("heads", d["heads"]), ("head_dim", d["head_dim"]))
+    wrong = ((f"read L{i}.states.norm(key_dim)", "norm(key"),
+             ("measure norm(L[ssm].state_output, over=[value])", "norm(L"))
+    for text, at in wrong:
+        with pytest.raises(DeltaError) as err:
+            deltalang.check(text, model.spec, prompt="abc")
+        line = str(err.value)
+        assert "axes are [b, " in line and "heads, head_dim, d_state]" in line, line
+        assert f":1:{text.index(at) + 1}:" in line, line
+
+
+def test_a_deltanet_states_axes_stay_key_dim_and_value_dim() -> None:
+    """On a DeltaNet block a state's axes are still key_dim and value_dim: d_state is a located error there."""
+    from deltalang.errors import DeltaError
+
+    spec = deltalang.load_spec()  # the bundled Qwen3.5 model
+    i = spec.linear_layers()[0]
+    assert deltalang.check(f"read L{i}.states.norm(key_dim) as n", spec, prompt="The").run("main").ops[0] \
+        .reduce.shape[-1][0] == "value_dim"
+    with pytest.raises(DeltaError) as err:
+        deltalang.check(f"read L{i}.states.norm(d_state)", spec, prompt="The")
+    assert "axes are [b, s, heads, key_dim, value_dim]" in str(err.value)
+
+
+@pytest.mark.parametrize("engine", ["fast", "naive"])
+def test_a_sweep_reduces_a_mamba2_state_over_its_named_axes(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep's measure of the last Mamba-2 block's state averaged over head_dim (one number a cell after its
+    norm), the engine's and the reference path's: transformers with each cell's state after t zeroed (tokens
+    0..t-1, token t a step whose state update ends in zeros, the rest continued from that cache)."""
+    import importlib
+
+    from deltalang.sweep import run_sweep
+
+    model, hf, _ = _truth("bamba")
+    ssm = model.spec.ssm_layers()
+    last = ssm[-1]
+    measure = f"norm(L{last}.state_output.mean(head_dim))"
+    src = (f'prompt clean = "{SHORT}"\nsweep zero on clean over L in L[ssm], t in 4..6 {{\n'
+           f"    write L.state_after(t) = zeros\n    measure {measure}\n}}\n")
+    if engine == "fast":
+        def refused(*a: Any, **k: Any) -> None:
+            raise AssertionError("the sweep fell back to the reference path")
+        monkeypatch.setattr(importlib.import_module("deltalang.sweep.engine"), "run_naive", refused)
+    out = run_sweep(src, model, progress=False, **({} if engine == "fast" else {"engine": "naive"}))
+    ids = model.tokenizer(SHORT, return_tensors="pt").input_ids
+    seen = 0
+    for layer in ssm:
+        for t in (4, 5):
+            cache = cache_after(hf, ids, t - 1)
+            zeros = torch.zeros_like(cache.get_recurrent_state(layer))
+            with step_replaced("bamba", hf, {layer: zeros}):
+                cache = output_cache(hf_forward(hf, ids[:, t:t + 1], cache, start=t))
+            cache = output_cache(hf_forward(hf, ids[:, t + 1:], cache, start=t + 1))
+            want = cache.get_recurrent_state(last).float().mean(dim=-2).norm()
+            got = out.results[f"zero[L={layer},t={t}].{measure}"]
+            assert abs(float(got) - float(want)) <= 1e-4 * float(want), (layer, t, got, float(want))
+            seen += 1
+    assert seen == len(out.results) == 2 * len(ssm)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -99,8 +186,8 @@ def test_projection_onto_a_direction_is_the_dot_product(name: str, tmp_path: Pat
     i = sorted(states)[-1]
     d = model.spec.dims
     gen = torch.Generator().manual_seed(3)
-    direction = torch.randn(d["heads"], d["key_dim"], d["value_dim"], generator=gen)
-    per_head = torch.randn(d["key_dim"], d["value_dim"], generator=gen)
+    direction = torch.randn(d["heads"], d["head_dim"], d["d_state"], generator=gen)
+    per_head = torch.randn(d["head_dim"], d["d_state"], generator=gen)
     safetensors.torch.save_file({"d": direction}, str(tmp_path / "dir.safetensors"))
     safetensors.torch.save_file({"d": per_head}, str(tmp_path / "head.safetensors"))
     streamed = ssd.per_token_reduced
@@ -125,8 +212,8 @@ def test_padded_invokes_reduce_their_own_positions_only(no_every_state: None) ->
     r = deltalang.run(f'prompt a = "{PROMPT}"\nprompt b = "{SHORT}"\n'
                       f"trace ta on a {{ read L{i}.states.mean(positions) as ma }}\n"
                       f"trace tb on b {{ read L{i}.states.mean(positions) as mb\n"
-                      f"read L{i}.states.norm(key_dim, value_dim, positions) as nb\n"
-                      f"read L{i}.states.norm(key_dim, value_dim) as pb }}\n", model=model)
+                      f"read L{i}.states.norm(head_dim, d_state, positions) as nb\n"
+                      f"read L{i}.states.norm(head_dim, d_state) as pb }}\n", model=model)
     n = len(SHORT)
     _close(r["ma"], states[i].mean(dim=1))
     _close(r["mb"], states[i][:, :n].mean(dim=1))
@@ -145,8 +232,7 @@ def test_under_generate_a_decode_step_reduces_its_one_token() -> None:
     ids = model.tokenizer(SHORT, return_tensors="pt").input_ids
     new = torch.as_tensor(r["g.tokens"]).reshape(1, -1)[:, :1]
     seq = torch.cat([ids, new], dim=1)
-    with torch.no_grad():
-        cache = hf(seq, use_cache=True, position_ids=torch.arange(seq.shape[1])[None]).past_key_values
+    cache = cache_after(hf, seq, seq.shape[1] - 1)
     after = cache.get_recurrent_state(i).float()
     _close(r["m.step1"], after)
     _close(r["n.step1"], torch.linalg.vector_norm(after.flatten(1), dim=-1)[:, None])

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import json
 import shutil
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from reference import cache_after as _cache_after
+from reference import hf_forward as _forward
+from reference import kernel_patched
 
 import deltalang
 from deltalang import compat, ssd, testing, testing_ssd
@@ -88,42 +90,20 @@ def _scale(name: str, measure: str) -> float:
     return _logit_scale(name) if measure.startswith("logit_diff") else 1.0
 
 
-def _forward(hf: Any, ids: torch.Tensor, cache: Any = None, start: int = 0) -> Any:
-    kw: dict[str, Any] = {"use_cache": True}
-    if cache is not None:
-        kw |= compat.cache_kwargs(cache, hf)
-    if "position_ids" in inspect.signature(type(hf).forward).parameters:  # bamba continues at its positions
-        kw["position_ids"] = torch.arange(start, start + ids.shape[1])[None]
-    with torch.no_grad():
-        return hf(ids, **kw)
-
-
-def _cache_after(hf: Any, ids: torch.Tensor, t: int) -> Any:
-    return compat.output_cache(_forward(hf, ids[:, :t + 1]))
-
-
-@contextmanager
-def _scan_written(name: str, hf: Any, writes: Mapping[int, Fn], cut: int) -> Iterator[None]:
+def _scan_written(name: str, hf: Any, writes: Mapping[int, Fn], cut: int) -> AbstractContextManager[None]:
     """Inside: each written layer's prompt scan is cut after its call's token `cut`, the state there replaced by
     `writes[layer](state)`, token `cut` re-read from it and the rest continued from it (`initial_states`)."""
-    module = testing_ssd.modeling_module(name.split("+")[0])
-    original = getattr(module, ssd.SCAN_GLOBAL)
-    mixers = dict(testing_ssd.ssd_mixers(hf))
-    current = [-1]
-    hooks = [mixers[i].register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i)) for i in writes]
-    hooks += [mixers[i].register_forward_hook(lambda *_: current.__setitem__(0, -1)) for i in writes]
-
-    def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             **kw: Any) -> Any:
-        if current[0] not in writes:
-            return original(x, dt, A, B, C, **kw)
+    def scan(layer: int, original: Callable[..., Any], a: tuple, kw: dict) -> Any:
+        if layer not in writes:
+            return original(*a, **kw)
+        x, dt, A, B, C = a
         assert kw.get("z") is None, "a gated prompt scan: the re-read would need the gate"
         final = kw.pop("return_final_states", False)
         start = kw.pop("initial_states", None)
         e = cut + 1
         y, state = original(x[:, :e], dt[:, :e], A, B[:, :e], C[:, :e], initial_states=start,
                             return_final_states=True, **kw)
-        state = writes[current[0]](state)
+        state = writes[layer](state)
         heads = state.shape[1]
         c = C[:, cut].float().repeat_interleave(heads // C.shape[2], dim=1)  # [b, h, N]
         y = y.clone()
@@ -133,13 +113,7 @@ def _scan_written(name: str, hf: Any, writes: Mapping[int, Fn], cut: int) -> Ite
                                    return_final_states=True, **kw)
             y = torch.cat([y, rest], dim=1)
         return (y, state) if final else y
-    setattr(module, ssd.SCAN_GLOBAL, scan)
-    try:
-        yield
-    finally:
-        setattr(module, ssd.SCAN_GLOBAL, original)
-        for h in hooks:
-            h.remove()
+    return kernel_patched(name.split("+")[0], hf, ssd.SCAN_GLOBAL, scan)
 
 
 def _state_written(name: str, hf: Any, ids: torch.Tensor, t: int, writes: Mapping[int, Fn]) -> tuple[Any, Any]:

@@ -12,12 +12,14 @@ the logits of a trace with reads against the same model's trace without them (bi
 from __future__ import annotations
 
 import functools
-import inspect
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
+from reference import cache_after as _cache_after
+from reference import hf_forward as _forward
+from reference import kernel_patched, step_replaced
 
 import deltalang
 from deltalang import compat, ssd, testing_ssd
@@ -45,59 +47,15 @@ def _ids(n: int = PROMPT_LEN, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 259, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _forward(hf: Any, ids: torch.Tensor, cache: Any = None, start: int = 0) -> Any:
-    kw: dict[str, Any] = {"use_cache": True}
-    if cache is not None:
-        kw |= compat.cache_kwargs(cache, hf)
-    if "position_ids" in inspect.signature(type(hf).forward).parameters:
-        kw["position_ids"] = torch.arange(start, start + ids.shape[1])[None]
-    with torch.no_grad():
-        return hf(ids, **kw)
-
-
 def _ssm(hf: Any) -> list[int]:
     return [i for i, _ in testing_ssd.ssd_mixers(hf)]
-
-
-def _cache_after(hf: Any, ids: torch.Tensor, t: int) -> Any:
-    return compat.output_cache(_forward(hf, ids[:, :t + 1]))
-
-
-@contextmanager
-def _step_replaced(name: str, hf: Any, new: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Inside the block, each layer of `new`'s one-token state update ends in its state, which its token reads."""
-    module = testing_ssd.modeling_module(name)
-    original = getattr(module, ssd.STEP_GLOBAL)
-    current = [-1]
-    hooks = [m.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i))
-             for i, m in testing_ssd.ssd_mixers(hf)]
-
-    def step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-             C: torch.Tensor, D: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
-        out = original(state, x, dt, A, B, C, D, **kw)
-        if current[0] not in new:
-            return out
-        state.copy_(new[current[0]].to(state.dtype))
-        heads = state.shape[1]
-        Ch = C.float().repeat_interleave(heads // C.shape[1], dim=1)  # [b, h, N]
-        y = (state.float() @ Ch[..., None])[..., 0] + D.float() * x.float()  # D: [h, P] as the mixer passes it
-        if kw.get("z") is not None:  # falcon_h1 gates a decode step's output in the kernel call
-            y = y * torch.nn.functional.silu(kw["z"].float())
-        return y.to(out.dtype)
-    setattr(module, ssd.STEP_GLOBAL, step)
-    try:
-        yield
-    finally:
-        setattr(module, ssd.STEP_GLOBAL, original)
-        for h in hooks:
-            h.remove()
 
 
 def _written_logits(name: str, hf: Any, ids: torch.Tensor, new: dict[int, torch.Tensor], t: int) -> torch.Tensor:
     """transformers' logits of tokens t.. with the state after t of each layer of `new` replaced (the module doc)."""
     cache = compat.output_cache(_forward(hf, ids[:, :t])) if t > 0 else None
     assert cache is not None, "the tests write after t >= 1"
-    with _step_replaced(name, hf, new):
+    with step_replaced(name, hf, new):
         out = _forward(hf, ids[:, t:t + 1], cache, start=t)
     logits = [out.logits]
     if t + 1 < ids.shape[1]:
@@ -192,7 +150,7 @@ def test_a_read_after_a_write_sees_the_written_state(name: str) -> None:
         later = model.layers[layer].linear_attn.state_after(6).save()
     # ground truth: the cache after token 6, continued from the donor's state after token 2
     cache = compat.output_cache(_forward(hf, ids[:, :2]))
-    with _step_replaced(name, hf, {layer: donor}):
+    with step_replaced(name, hf, {layer: donor}):
         out = _forward(hf, ids[:, 2:3], cache, start=2)
     cache = compat.output_cache(_forward(hf, ids[:, 3:7], compat.output_cache(out), start=3))
     want = cache.get_recurrent_state(layer)
@@ -353,26 +311,19 @@ def test_a_decode_step_written_after_its_token(name: str) -> None:
     logits[:, hf.config.eos_token_id] = -float("inf")
     token = logits.argmax(-1, keepdim=True)
     cache = _cache_after(hf, ids, ids.shape[1] - 1)
-    with _step_replaced(name, hf, {layer: donor}):
+    with step_replaced(name, hf, {layer: donor}):
         out = _forward(hf, token, cache, start=ids.shape[1])
     _close(got[:, -1], out.logits[:, -1], tol=1e-3)
     _close(leaving, compat.output_cache(out).get_recurrent_state(layer))
     _close(leaving, donor)
 
 
-@contextmanager
-def _scan_patched(name: str, hf: Any, layer: int, value: str) -> Iterator[None]:
+def _scan_patched(name: str, hf: Any, layer: int, value: str) -> AbstractContextManager[None]:
     """Layer `layer`'s prompt scan with one of its inputs or its output changed as the test below writes it."""
-    module = testing_ssd.modeling_module(name)
-    original = getattr(module, ssd.SCAN_GLOBAL)
-    current = [-1]
-    hooks = [m.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i))
-             for i, m in testing_ssd.ssd_mixers(hf)]
-
-    def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *a: Any,
-             **kw: Any) -> Any:
-        if current[0] != layer:
-            return original(x, dt, A, B, C, *a, **kw)
+    def scan(current: int, original: Callable[..., Any], a: tuple, kw: dict) -> Any:
+        if current != layer:
+            return original(*a, **kw)
+        x, dt, A, B, C, *rest = a
         if value == "step_sizes":  # transformers' own step sizes, doubled, passed as they are
             step = torch.clamp(torch.nn.functional.softplus(dt + kw["dt_bias"]), *kw["dt_limit"])
             dt, kw = 2 * step, kw | {"dt_bias": None, "dt_softplus": False, "dt_limit": (0.0, float("inf"))}
@@ -380,18 +331,12 @@ def _scan_patched(name: str, hf: Any, layer: int, value: str) -> Iterator[None]:
             A = 0.5 * A
         elif value == "input_matrices":
             B = -B
-        out = original(x, dt, A, B, C, *a, **kw)
+        out = original(x, dt, A, B, C, *rest, **kw)
         if value == "head_outputs":
             y = torch.zeros_like(out[0] if isinstance(out, tuple) else out)
             return (y, out[1]) if isinstance(out, tuple) else y
         return out
-    setattr(module, ssd.SCAN_GLOBAL, scan)
-    try:
-        yield
-    finally:
-        setattr(module, ssd.SCAN_GLOBAL, original)
-        for h in hooks:
-            h.remove()
+    return kernel_patched(name, hf, ssd.SCAN_GLOBAL, scan)
 
 
 @pytest.mark.parametrize("name", SERVED)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import kernels, ssd
+from .. import kernels, ssd, values
 from ..errors import DeltaValueError
 from ..measures import Reduction
 from .reduced import _pending, _waiting
@@ -41,7 +41,8 @@ def _projected(red: Reduction, pads: list[int] | None) -> bool:
 
 # the prompt scan's inputs as served, in the mixer's forward order: (value, argument index)
 _INPUTS = (("output_matrices", 4), ("input_matrices", 3), ("scan_inputs", 0))
-STATE_AXES = ("b", "s", "heads", "key_dim", "value_dim")  # `states` as the catalogue names its axes
+# `states` as the catalogue names its axes on a Mamba-2 block: `[b, s, heads, head_dim, d_state]`, ssd's `[.., h, P, N]`
+STATE_AXES = values.axes("states", kind=values.SSM)
 
 
 class SSDCall(Requests):

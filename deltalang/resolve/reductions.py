@@ -2,7 +2,8 @@
 `norm(SITE, over=[AXES])`, `project(SITE, load(F))`.
 
 `reduced_read()` gives a read op its `ir.Reduce`, `reduced_measures()` the measures; both check every step
-against the value's axes (`values.axes`, the catalogue's shape names; `positions` stands for `s`, `key` for
+against the value's axes (`values.axes`, the catalogue's shape names on the target's block kind: a Mamba-2
+state's are `head_dim, d_state`, a DeltaNet one's `key_dim, value_dim`; `positions` stands for `s`, `key` for
 `key_dim`, `value` for `value_dim`) with `measures.step_axes`, the one statement of what a step leaves,
 and a direction's shape (its safetensors header, read here) against the axes it contracts: a located
 error before anything runs. Reductions run in traces, generates and sweeps; a sweep's reduced measure
@@ -89,7 +90,8 @@ def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast
         scope.fail("a reduction of one head in a sweep takes a head number (.head(2)), not a variable over heads",
                    (chain[0].span if chain else site.span))
     per_channel = bool(scope.spec.family.per_channel_decay)
-    axes = values.axes(t.value, per_channel)
+    kind = scope.spec.kind(t.layer) if t.layer is not None else values.DELTANET
+    axes = values.axes(t.value, per_channel, kind)
     if axes is None:
         scope.fail(f"'{t.value}' has no axes to reduce", site.span)
     sizes = _sizes(scope, t, ctx)
@@ -107,7 +109,8 @@ def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast
         except measures.ReductionError as e:
             scope.fail(f"{ast.format_reduce(r)[1:]}: {e}", r.span)
         if r.kind == "head" and not 0 <= r.index < sizes["heads"]:  # type: ignore[operator]
-            scope.fail(f"no head {r.index}: this model's DeltaNet blocks have {sizes['heads']} value heads", r.span)
+            mixer = "Mamba-2 blocks" if kind == values.SSM else "DeltaNet blocks"
+            scope.fail(f"no head {r.index}: this model's {mixer} have {sizes['heads']} value heads", r.span)
         if r.kind == "project":
             assert r.direction is not None
             contracted = [a for a in have if a not in ("b", "s")]
@@ -127,9 +130,9 @@ def _sizes(scope: Scope, t: Target, ctx: Ctx) -> dict[str, int | None]:
     s: int | None = len(ctx.toks)
     if ctx.kind == "generate":
         s = len(ctx.toks) if t.step == 0 else (1 if t.step is not None else None)
-    return {"b": 1, "s": s, "heads": d.get("heads"), "key_dim": d.get("key_dim"), "value_dim": d.get("value_dim"),
-            "hidden": getattr(cfg, "hidden_size", None), "vocab": getattr(cfg, "vocab_size", None),
-            "conv_dim": d.get("conv_dim"), "window": d["conv_width"] - 1 if "conv_width" in d else None}
+    named = ("heads", "key_dim", "value_dim", "head_dim", "d_state", "groups", "inner", "conv_dim")
+    return {"b": 1, "s": s, **{a: d.get(a) for a in named}, "hidden": getattr(cfg, "hidden_size", None),
+            "vocab": getattr(cfg, "vocab_size", None), "window": d["conv_width"] - 1 if "conv_width" in d else None}
 
 
 def direction(scope: Scope, src: ast.LoadSource, axes: list[str], sizes: dict[str, int | None]) -> Load:
