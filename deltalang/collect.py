@@ -26,7 +26,7 @@ import torch
 
 from . import ast, shard_file
 from .compiled import Experiment
-from .dataset_store import RecordProgress, _sync
+from .dataset_store import RecordProgress
 from .datasets import Dataset
 from .errors import DeltaError
 from .ir import Named, Resolved, site_text
@@ -207,7 +207,7 @@ class CollectStore:
         self._write_meta()
         with open(self.dir / INDEX, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(self.entries[i]) + "\n" for i in sorted(self.entries))
-            _sync(f)
+            shard_file.sync(f)
         self.started = True
 
     def _write_meta(self) -> None:
@@ -249,7 +249,7 @@ class CollectStore:
             for row, (i, entry, _) in enumerate(buffer):
                 self.entries[i] = dict(entry, shard=name, row=row)
                 f.write(json.dumps(self.entries[i]) + "\n")
-            _sync(f)
+            shard_file.sync(f)
         self.meta["done"] = len(self.entries)
         self._write_meta()
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from .errors import DeltaError
+from .shard_file import sync
 from .html import NotebookProgress, ProgressDisplay
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ class RecordStore:
             w.writeheader()
             for i in sorted(self.rows):
                 w.writerows(self.rows[i])
-            _sync(f)
+            sync(f)
         os.replace(tmp, self.csv)
 
     def add(self, record: int, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -137,7 +138,7 @@ class RecordStore:
         text = [_as_text(r) for r in rows]
         with open(self.csv, "a", newline="", encoding="utf-8") as f:
             csv.DictWriter(f, self.columns, restval="").writerows(text)
-            _sync(f)
+            sync(f)
         self.rows[record] = text
         self.meta["done"] = sorted({*self.meta["done"], record})
         self._write_meta()
@@ -187,14 +188,6 @@ def write_summary(directory: Path, header: Sequence[str], rows: Iterable[Sequenc
              "left_out": [{"record": i, "line": dataset.records[i].line, "why": why} for i, why in skipped]}
     (directory / "summary.json").write_text(json.dumps(whole, indent=2, allow_nan=True) + "\n", encoding="utf-8")
     (directory / "program.dl").write_text(program, encoding="utf-8")
-
-
-def _sync(f: Any) -> None:
-    f.flush()
-    try:
-        os.fsync(f.fileno())
-    except OSError:  # pragma: no cover - some filesystems
-        pass
 
 
 class RecordProgress(ProgressDisplay):

@@ -2,7 +2,8 @@
 
 `write_file(path, tensors)`: `tensors` maps each name to a list of pieces (contiguous CPU tensors of one dtype,
 laid end to end: a record axis first is the pieces stacked); the file is what `safetensors.torch.save_file` of
-the joined tensors holds, without joining or copying them, flushed and synced to disk. `Writer.submit(job)` runs
+the joined tensors holds, without joining or copying them, flushed and synced to disk (`sync`, which every
+file a run saves goes through). `Writer.submit(job)` runs
 one job at a time on one thread (`submit` first waits for the one before); `wait()` re-raises a job's failure
 in the caller, `close()` waits and stops. A collection's shards are written
 this way while the next records' forward runs.
@@ -15,7 +16,7 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -25,12 +26,22 @@ DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
+def sync(f: Any) -> None:
+    """Flush an open file and ask the disk to keep it (a filesystem that cannot is let be)."""
+    f.flush()
+    try:
+        os.fsync(f.fileno())
+    except OSError:  # pragma: no cover - some filesystems
+        pass
+
+
 def write_file(path: Path, tensors: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
     """Write `tensors` (name -> a tensor, or pieces joined along a new first axis; see the module doc)."""
     header: dict[str, object] = {}
-    order = [(name, [t] if isinstance(t, torch.Tensor) else list(t)) for name, t in sorted(tensors.items())]
+    data: list[torch.Tensor] = []  # in the file's order
     offset = 0
-    for (name, pieces), given in zip(order, (tensors[n] for n, _ in order)):
+    for name, given in sorted(tensors.items()):
+        pieces = [given] if isinstance(given, torch.Tensor) else list(given)
         first = pieces[0]
         if any(p.dtype != first.dtype or p.shape != first.shape or p.device.type != "cpu" or not p.is_contiguous()
                for p in pieces):
@@ -39,17 +50,16 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor | Sequence[torch.T
         shape = list(first.shape) if isinstance(given, torch.Tensor) else [len(pieces), *first.shape]
         header[name] = {"dtype": DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
+        data += pieces
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
-        for _, pieces in order:
-            for p in pieces:
-                if p.numel():
-                    f.write(memoryview(p.reshape(-1).view(torch.uint8).numpy()))  # the tensor's own bytes, no copy
-        f.flush()
-        os.fsync(f.fileno())
+        for p in data:
+            if p.numel():
+                f.write(memoryview(p.reshape(-1).view(torch.uint8).numpy()))  # the tensor's own bytes, no copy
+        sync(f)
 
 
 class Writer:
