@@ -25,12 +25,10 @@ import attrs
 import torch
 
 from . import ast, shard_file
-from .compiled import Experiment
 from .dataset_store import RecordProgress
 from .datasets import Dataset
 from .errors import DeltaError
 from .ir import Named, Resolved, site_text
-from .model import DeltaModel
 from .resolve import RecordResolution
 from .results import axis_names
 from .values import DELTANET
