@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Sequence
 import attrs
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltalang import families, kernels, ssd, testing_ssd
 from deltalang.compat import cache_kwargs, output_cache
@@ -377,3 +378,18 @@ def step_replaced(name: str, hf: Any, new: dict[int, torch.Tensor]) -> Iterator[
         return step
     with mixer_running(hf) as current, kernel_global(name, ssd.STEP_GLOBAL, make):
         yield
+
+
+class Largest(TorchDispatchMode):
+    """The largest tensor any op makes (elements): how the reductions' tests show a value was never made whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(x, torch.Tensor):
+                self.largest = max(self.largest, x.numel())
+        return out

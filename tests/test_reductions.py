@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from reference import Largest
 
 import deltalang
 from deltalang import deltarule, families, kernels, measures
@@ -145,21 +145,6 @@ def test_padded_invokes_reduce_their_own_positions_only() -> None:
     _close(r["hn"], torch.linalg.vector_norm(states[i][:, :23, 3], dim=(-2, -1)))
 
 
-class _Largest(TorchDispatchMode):
-    """The largest tensor any op makes (elements)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for x in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(x, torch.Tensor):
-                self.largest = max(self.largest, x.numel())
-        return out
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_streamed_reduction_never_makes_every_state(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fam = families.by_name(family)
@@ -172,7 +157,7 @@ def test_the_streamed_reduction_never_makes_every_state(family: str, monkeypatch
     beta = torch.rand(b, s, h, generator=gen)
     red = measures.Reduction(("b", "s", "heads", "key_dim", "value_dim"), [("norm", None)])
     acc = red.stream(b, s)
-    with _Largest() as mode, torch.no_grad():
+    with Largest() as mode, torch.no_grad():
         deltarule.per_token_reduced(fam, q, k, v, g, beta, None, True, [acc.add])
     assert mode.largest < b * s * h * dk * dv // 4, mode.largest
     _, every = deltarule.per_token(fam, q, k, v, g, beta, None, True)
@@ -230,6 +215,18 @@ def test_under_generate_a_decode_step_reduces_its_one_token() -> None:
     _close(r["n.step1"], torch.linalg.vector_norm(after.flatten(1), dim=-1)[:, None])
 
 
+def _random_inputs(fam: Any, s: int, scale: float, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A delta-rule call's inputs `q, k, v, g, beta, initial state` at random: 2 rows of s tokens, 4 value heads of
+    32 x 16, grouped key heads (2) where the decay is per head (the gated rule's), log decays in [-scale, 0]."""
+    b, h, dk, dv = 2, 4, 32, 16
+    hk = h if fam.per_channel_decay else 2
+    q, k = torch.randn(b, s, hk, dk, generator=gen), torch.randn(b, s, hk, dk, generator=gen)
+    v = torch.randn(b, s, h, dv, generator=gen)
+    g = -torch.rand(b, s, h, *([dk] if fam.per_channel_decay else []), generator=gen) * scale
+    beta, init = torch.rand(b, s, h, generator=gen), torch.randn(b, h, dk, dv, generator=gen) * 3
+    return q, k, v, g, beta, init
+
+
 def _kernel_states(fam: families.Family, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
     """The state after every token `[b, s, h, dk, dv]` float64, from transformers' own recurrent kernel run one
@@ -253,13 +250,7 @@ def test_head_norms_without_the_states_equal_transformers_states(family: str, sc
     multiple of the chunk, decays from almost none (the initial state's and cross terms dominate) to forgetting
     within a few tokens (log decays down to -8 a token), at several chunk sizes."""
     fam = families.by_name(family)
-    b, s, h, dk, dv = 2, 101, 4, 32, 16
-    hk = h if fam.per_channel_decay else 2
-    gen = torch.Generator().manual_seed(1)
-    q, k = torch.randn(b, s, hk, dk, generator=gen), torch.randn(b, s, hk, dk, generator=gen)
-    v = torch.randn(b, s, h, dv, generator=gen)
-    g = -torch.rand(b, s, h, *([dk] if fam.per_channel_decay else []), generator=gen) * scale
-    beta, init = torch.rand(b, s, h, generator=gen), torch.randn(b, h, dk, dv, generator=gen) * 3
+    q, k, v, g, beta, init = _random_inputs(fam, 101, scale, torch.Generator().manual_seed(1))
     want = _kernel_states(fam, q, k, v, g, beta, init).square().sum(dim=(-2, -1))  # [b, s, h]
     # measured worst (fast decay): 5e-6 at chunk 16, 9e-6 at 32, 2.2e-5 at 64, as the chunked states' own
     # float32 noise (`per_token`'s norms: 5e-6 at 16); a wrong term of the algebra is off by O(1)
@@ -347,14 +338,9 @@ def test_projections_without_the_states_equal_transformers_states(family: str, s
     transformers' recurrent kernel's state after every token dotted with the direction in plain torch: from a
     non-zero initial state, grouped key heads (the gated rule's), slow and fast decays."""
     fam = families.by_name(family)
-    b, s, h, dk, dv = 2, 83, 4, 32, 16
-    hk = h if fam.per_channel_decay else 2
     gen = torch.Generator().manual_seed(2)
-    q, k = torch.randn(b, s, hk, dk, generator=gen), torch.randn(b, s, hk, dk, generator=gen)
-    v = torch.randn(b, s, h, dv, generator=gen)
-    g = -torch.rand(b, s, h, *([dk] if fam.per_channel_decay else []), generator=gen) * scale
-    beta, init = torch.rand(b, s, h, generator=gen), torch.randn(b, h, dk, dv, generator=gen) * 3
-    direction = torch.randn(h, dk, dv, generator=gen)
+    q, k, v, g, beta, init = _random_inputs(fam, 83, scale, gen)
+    direction = torch.randn(v.shape[2], k.shape[-1], v.shape[-1], generator=gen)
     want = (_kernel_states(fam, q, k, v, g, beta, init) * direction.double()).sum(dim=(-2, -1))  # [b, s, h]
     got = deltarule.per_token_projections(fam, q, k, v, g, beta, init, True, direction)
     assert got.shape == want.shape and got.dtype == torch.float32

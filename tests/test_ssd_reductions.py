@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from reference import cache_after, hf_forward, step_replaced
-from torch.utils._python_dispatch import TorchDispatchMode
+from reference import Largest, cache_after, hf_forward, step_replaced
 
 import deltalang
 from deltalang import measures, ssd, testing_ssd
@@ -251,21 +250,6 @@ def _inputs(b: int, s: int, h: int, P: int, N: int, g: int = 1) -> tuple[tuple, 
     return args, kw
 
 
-class _Largest(TorchDispatchMode):
-    """The largest tensor any op makes (elements)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for x in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(x, torch.Tensor):
-                self.largest = max(self.largest, x.numel())
-        return out
-
-
 def test_the_reduced_forms_never_make_every_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """At 512 tokens neither the streamed states nor the squared norms make a tensor a quarter the size of every
     token's state (nor of every chunk's starting state); both equal the states `per_token` makes."""
@@ -274,11 +258,11 @@ def test_the_reduced_forms_never_make_every_state(monkeypatch: pytest.MonkeyPatc
     args, kw = _inputs(b, s, h, P, N)
     red = measures.Reduction(AXES, [("head", 1), ("mean", ("s",))])
     acc = red.stream(b, s)
-    with _Largest() as streamed, torch.no_grad():
+    with Largest() as streamed, torch.no_grad():
         ssd.per_token_reduced(*args, [acc.add], **kw)
-    with _Largest() as normed, torch.no_grad():
+    with Largest() as normed, torch.no_grad():
         sq = ssd.per_token_sq_norms(*args, **kw)
-    with _Largest() as projected, torch.no_grad():
+    with Largest() as projected, torch.no_grad():
         ssd.per_token_projected(*args, torch.ones(h, P, N), **kw)
     every = b * s * h * P * N
     largest = (streamed.largest, normed.largest, projected.largest)
