@@ -131,19 +131,7 @@ def main() -> None:
                     saved.append(getattr(nn_plain.model.layers[i].linear_attn.source, op).output[1].save())
             assert len(saved) == len(linear)
 
-        def split() -> None:
-            with model.trace(ids):
-                for i in linear:
-                    model.layers[i].linear_attn.set_state_after(t, donor)
-                model.logits.save()
-
-        def read() -> None:
-            saved = []
-            with model.trace(ids):
-                for i in linear:
-                    saved.append(model.layers[i].linear_attn.state_after(t).save())
-                model.logits.save()
-            assert len(saved) == len(linear)
+        split, read = split_and_read(model, ids, linear, "linear_attn", t, donor)
 
         def token() -> None:
             deltalang.route_kernels(model.family, "torch")
@@ -174,6 +162,26 @@ def main() -> None:
         rows.append((n, *_timed({k: every[k] for k in args.cases if k in every}, plain, args)))
     _table(rows, args, "random Qwen3.5-0.8B-shaped model, all 18 DeltaNet blocks: set_state_after(t = n/2) (split, "
            "token), state_after(t) read (read), `states` reduced to per-token norms (states, states/loop)")
+
+
+def split_and_read(model: deltalang.DeltaModel, ids: torch.Tensor, layers: list[int], mixer: str, t: int,
+                   donor: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The `split` case (`set_state_after(t, donor)` on every block of `layers`) and the `read` case
+    (`state_after(t)` read on each), the mixer being each block's attribute `mixer`; both keep the logits."""
+    def split() -> None:
+        with model.trace(ids):
+            for i in layers:
+                getattr(model.layers[i], mixer).set_state_after(t, donor)
+            model.logits.save()
+
+    def read() -> None:
+        saved = []
+        with model.trace(ids):
+            for i in layers:
+                saved.append(getattr(model.layers[i], mixer).state_after(t).save())
+            model.logits.save()
+        assert len(saved) == len(layers)
+    return split, read
 
 
 def _timed(cases: dict[str, Callable[[], None]], plain: Callable[[], None],
@@ -224,19 +232,7 @@ def granite(args: argparse.Namespace) -> None:
         def plain() -> None:
             plain_hf(ids)
 
-        def split() -> None:
-            with model.trace(ids):
-                for i in ssm:
-                    model.layers[i].mamba.set_state_after(t, donor)
-                model.logits.save()
-
-        def read() -> None:
-            saved = []
-            with model.trace(ids):
-                for i in ssm:
-                    saved.append(model.layers[i].mamba.state_after(t).save())
-                model.logits.save()
-            assert len(saved) == len(ssm)
+        split, read = split_and_read(model, ids, ssm, "mamba", t, donor)
 
         def reduced(red: Reduction, shape: tuple[int, ...]) -> Callable[[], None]:
             def run() -> None:
