@@ -37,8 +37,7 @@ def named(module: torch.nn.Module, args: tuple, kw: Mapping[str, Any]) -> tuple[
     """A block call's residual stream (its first argument) and its other arguments by name: positional ones
     bound to the parameters of the block's forward (zamba2's blocks take the embeddings, the layer index and
     two masks positionally)."""
-    params = list(inspect.signature(inspect.unwrap(type(module).forward)).parameters.values())[1:]  # no self
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = positional_names(type(module))
     if len(args) > len(names):
         raise Unsupported(f"{type(module).__name__}.forward takes {len(args)} arguments positionally, "
                           f"more than it names ({len(names)})")
@@ -47,6 +46,13 @@ def named(module: torch.nn.Module, args: tuple, kw: Mapping[str, Any]) -> tuple[
     if first not in bound:
         raise Unsupported(f"{type(module).__name__} was called without its residual stream {first!r}")
     return bound.pop(first), bound
+
+
+@functools.lru_cache(maxsize=None)
+def positional_names(block: type) -> tuple[str, ...]:
+    """The parameters of a block's forward that positional arguments bind to, in order (`self` left out)."""
+    params = list(inspect.signature(inspect.unwrap(block.forward)).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def masks(config: Any, cache: Any, kinds: Mapping[str, int | None], seq_len: int, start: int, like: torch.Tensor
@@ -132,9 +138,9 @@ def passed_masks(dec: type, block: type) -> dict[str, str]:
     last loop over `self.layers`) gives as a subscript by a string, `causal_mask_mapping["full_attention"]`,
     positional ones bound to the forward's parameters. Empty where the call cannot be found."""
     body, at = _forward_body(dec)
-    params = list(inspect.signature(inspect.unwrap(block.forward)).parameters)[1:]  # no self
     if at is None:
         return {}
+    params = positional_names(block)
     loop = body[at]
     assert isinstance(loop, ast.For)
     targets = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
