@@ -185,7 +185,8 @@ def final_state(fam: families.Family, query: torch.Tensor, key: torch.Tensor, va
     """The state after the last token alone, `[b, h, dk, dv]` float32, one decay per head (the gated delta
     rule): the query-free half of transformers' chunked kernel, its operations in its order (chunks of 64,
     the same triangular solves), so the state equals the kernel's own final state while the outputs, the
-    intra-chunk attention and the state reads are never computed (a read's side call over a prefix)."""
+    intra-chunk attention and the state reads are never computed (a read's side call over a prefix); one
+    chunk from zeros skips the products that are exact zeros there (the start's decay and read)."""
     heads = value.shape[-2]
     if key.shape[-2] != heads:
         key = key.repeat_interleave(heads // key.shape[-2], dim=2)
@@ -203,10 +204,12 @@ def final_state(fam: families.Family, query: torch.Tensor, key: torch.Tensor, va
     k_beta = k * bb[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay
     u = torch.linalg.solve_triangular(system, v * bb[..., None], upper=False, unitriangular=True)
+    k_last = k * (cum[..., -1:] - cum).exp()[..., None]
+    if n == 1 and initial_state is None:  # one chunk from zeros: the loop's decayed start and w @ S are zeros
+        return k_last[:, :, 0].transpose(-1, -2) @ u[:, :, 0]
     w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     S = (torch.zeros((b, h, dk, v.shape[-1]), dtype=torch.float32, device=v.device) if initial_state is None
          else initial_state.to(u))
-    k_last = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
     for i in range(n):
         S = S * chunk_decay[:, :, i] + k_last[:, :, i].transpose(-1, -2) @ (u[:, :, i] - w[:, :, i] @ S)
