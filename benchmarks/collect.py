@@ -6,13 +6,15 @@ On a random model with Qwen3.5-0.8B's shapes (18 DeltaNet blocks, one state 16 x
              `MAX_GROUP` a forward, left-padded), no intervention, nothing kept, `logits_to_keep=1`
   deltalang  `read L[linear].state_after(facts.subject) as s` over the dataset, every record's 18 states
              written to sharded safetensors in a fresh --out (`deltalang.collect`), resolution included
-For each number of records: the median time of each (cases interleaved), deltalang / plain, the peak
+Both sides run in one process whose allocator keeps freed memory for reuse (`deltalang.keep_freed_memory()`,
+what the command line does for itself) unless `--allocator default` leaves glibc's defaults (docs/benchmarks.md:
+"The allocator"). For each number of records: the median time of each (cases interleaved), deltalang / plain, the peak
 resident memory above the process's size before the case (sampled every 2 ms), the bytes written
 and the write rate (bytes / deltalang's time). Peak memory should not grow with the records: a
 group's values and at most one shard are held at once. The collection's first record is checked
 against a plain trace of the same model (rel. 1e-4).
 
-    python benchmarks/collect.py [--records 128 1024] [--repeat 1]
+    python benchmarks/collect.py [--records 128 1024] [--repeat 1] [--allocator kept|default]
 """
 
 from __future__ import annotations
@@ -51,9 +53,14 @@ def main() -> None:
     ap.add_argument("--low", type=int, default=16)
     ap.add_argument("--high", type=int, default=96)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--allocator", choices=("kept", "default"), default="kept",
+                    help="kept: deltalang.keep_freed_memory() before anything runs (both sides); default: glibc's own")
     ap.add_argument("--out", default=None, help="where the collections go (default: a temporary directory)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
+    kept = args.allocator == "kept" and deltalang.keep_freed_memory()
+    if args.allocator == "kept" and not kept:
+        print("note: the allocator's settings were not taken (not glibc, or MALLOC_* set): its defaults are measured")
     hf = qwen35_08b_shaped()
     tok = tokenizer_for()
     model = wrap_model(hf, tok, "random Qwen3.5-0.8B-shaped")
@@ -61,7 +68,8 @@ def main() -> None:
     base = Path(args.out or tempfile.mkdtemp(prefix="deltalang-collect-"))
     print(f"benchmarks/collect.py — {datetime.date.today()} — {machine()}")
     print(f"read L[linear].state_after(facts.subject) ({len(linear)} blocks) over records of {args.low}-{args.high} "
-          f"tokens; random Qwen3.5-0.8B-shaped model; median of {args.repeat}")
+          f"tokens; random Qwen3.5-0.8B-shaped model; median of {args.repeat}; allocator: "
+          f"{'freed memory kept (both sides)' if kept else 'glibc defaults'}")
     print(f"{'records':>7} | {'plain':>8} | {'deltalang':>9} | {'dl / plain':>10} | {'peak plain':>10} | "
           f"{'peak dl':>9} | {'written':>9} | {'write rate':>11}")
     for n in args.records:

@@ -32,6 +32,7 @@ if _TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .sweep.attribution_dataset import DatasetAttribution
     from .sweep.dataset import DatasetSweepResults
     from .errors import DeltaError
+    from .allocator import keep_freed_memory
     from .kernels import route_kernels, routed
     from .model import DeltaModel, load_model
     from .parse import parse
@@ -46,10 +47,11 @@ _LAZY: dict[str, str] = {
     "Results": "results", "DatasetResults": "dataset_run", "DatasetSweepResults": "sweep.dataset",
     "DatasetAttribution": "sweep.attribution_dataset", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
     "ModelSpec": "spec", "load_spec": "spec", "Collection": "collection", "load_results": "merge",
+    "keep_freed_memory": "allocator",
 }
 
 __all__ = ["Collection", "DatasetAttribution", "DatasetResults", "DatasetSweepResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
-           "load_model", "load_results", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
+           "keep_freed_memory", "load_model", "load_results", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
 
 
 def __getattr__(name: str) -> _Any:

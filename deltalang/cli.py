@@ -436,17 +436,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_transformers() -> None:
-    """No progress bars or kernel fall-back notices on the command line: its output is the program's
-    (`quiet.quiet_transformers`, which `load_model` uses too)."""
+def _own_process() -> None:
+    """A command owns its process: its output the program's (`quiet`), freed memory kept for reuse (`allocator`)."""
+    from .allocator import keep_freed_memory
     from .quiet import quiet_transformers
 
     quiet_transformers()
+    keep_freed_memory()
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -471,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the one place that turns every exception into one line and an exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _quiet_transformers()
+    _own_process()
     show_warnings_on_stderr()  # a program's warnings, rendered like its errors
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -38,9 +38,9 @@ class CellError(Exception):
 
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext deltalang`: register the `%%deltalang` cell magic, and quiet transformers as the command line does."""
-    from .cli import _quiet_transformers
+    from .quiet import quiet_transformers
 
-    _quiet_transformers()
+    quiet_transformers()
     # tqdm's notebook bars need ipywidgets; without them it warns once on import (transformers imports it)
     warnings.filterwarnings("ignore", message="IProgress not found")
 
@@ -99,14 +99,15 @@ def parse_line(line: str) -> argparse.Namespace | None:
 
 def run_cell(line: str, cell: str, namespace: dict[str, Any]) -> Any:
     """Run one `%%deltalang` cell (the module's contract); returns its value, or raises CellError."""
-    from .cli import _first_line, _out_of_memory, _quiet_transformers
+    from .cli import _first_line, _out_of_memory
+    from .quiet import quiet_transformers
 
     args: argparse.Namespace | None = None
     try:
         args = parse_line(line)
         if args is None:
             return None
-        _quiet_transformers()
+        quiet_transformers()
         with warnings.catch_warnings():
             _show_delta_warnings()
             value = _run(args, cell, namespace)
