@@ -4,20 +4,20 @@ Contract: on Linux with glibc, allocations under `retain` bytes come from the he
 freed at its top stay there (`mallopt`: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD; M_TOP_PAD 64 MiB), so a
 forward's tensors reuse the pages the block before freed instead of faulting in fresh ones. No number
 changes; the process keeps up to `retain` bytes it no longer uses. Not applied (returns False) elsewhere,
-or when the user chose glibc's malloc settings through its environment (`MALLOC_*_`, `GLIBC_TUNABLES`).
+or when the user chose glibc's malloc settings through its environment (`MALLOC_*_`, `glibc.malloc.*` in
+`GLIBC_TUNABLES`).
 Why and what it buys: docs/benchmarks.md ("The allocator").
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
 _TOP_PAD = 64 << 20
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 def keep_freed_memory(retain: int = 1 << 30) -> bool:
@@ -31,11 +31,10 @@ def keep_freed_memory(retain: int = 1 << 30) -> bool:
         return False
     if platform.system() != "Linux" or not libc_name.startswith("glibc"):
         return False
-    if any(name in os.environ for name in _USER_SETTINGS):
+    if any(name in os.environ for name in _USER_SETTINGS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols: glibc's
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
