@@ -22,7 +22,7 @@ import attrs
 from . import ast, html
 from .bundled import NAME
 from .compiled import Experiment
-from .dataset_store import RecordProgress, RecordStore, format_stats, program_meta, write_long_csv, write_summary
+from .dataset_store import RecordProgress, format_stats, open_store, write_long_csv, write_summary
 from .datasets import Dataset
 from .emit import emit
 from .errors import DeltaError
@@ -328,11 +328,7 @@ def run_generate(program: ast.Program, ds: Dataset, groups: list[list[RecordReso
     groups = [[attrs.evolve(r, resolved=with_tokens(r.resolved)) for r in g if r.resolved is not None] for g in groups]
     resolutions = [r for g in groups for r in g]
     columns = ["record", "line", *ds.fields, "measure", "step", "value"]
-    store = None
-    if out is not None:
-        meta = program_meta(source, model.spec.model_id, options={"batch": batch}, columns=columns,
-                            records=len(ds.records))
-        store = RecordStore(Path(out), meta, columns, resume)
+    store = open_store(out, source, model.spec.model_id, columns, len(ds.records), resume, {"batch": batch})
     done = store.done if store is not None else set()
     todo = [g for g in groups if not all(r.record.index in done for r in g)]  # a group is saved whole
     per: Rows = {r.record.index: [_as_row(x) for x in store.rows_of(r.record.index)]

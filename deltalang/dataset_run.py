@@ -26,7 +26,8 @@ from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_g
 from .collection import Collection
 from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generate_groups, generates, run_generate
-from .dataset_store import RecordProgress, RecordStore, format_stats, program_meta, write_long_csv, write_summary
+from .dataset_store import (RecordProgress, RecordStore, format_stats, open_store, program_meta, write_long_csv,
+                            write_summary)
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, RecordsWarning, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
@@ -195,11 +196,7 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
         finish(None if out is None else Path(out), part)
         return got
     columns = ["record", "line", *ds.fields, "measure", "value"]
-    store = None
-    if out is not None:
-        meta = program_meta(source, model.spec.model_id, options={"batch": batch}, columns=columns,
-                            records=len(ds.records))
-        store = RecordStore(Path(out), meta, columns, resume)
+    store = open_store(out, source, model.spec.model_id, columns, len(ds.records), resume, {"batch": batch})
     done = store.done if store is not None else set()
     todo = [g for g in groups if not all(r.record.index in done for r in g)]  # a group is saved whole
     per: dict[int, list[dict[str, Any]]] = {}

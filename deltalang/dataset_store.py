@@ -49,6 +49,16 @@ def program_meta(source: str, model_id: str, **fields: Any) -> dict[str, Any]:
             **fields}
 
 
+def open_store(out: str | Path | None, source: str, model_id: str, columns: Sequence[str], records: int,
+               resume: bool, options: Mapping[str, Any]) -> RecordStore | None:
+    """The store of a run over a dataset that saves to `out` (None when it saves nothing), its meta from
+    `program_meta` with the run's `options`, columns and number of records."""
+    if out is None:
+        return None
+    meta = program_meta(source, model_id, options=dict(options), columns=list(columns), records=records)
+    return RecordStore(Path(out), meta, columns, resume)
+
+
 class RecordStore:
     """`DIR/results.partial.csv` appended record by record, `DIR/progress.json` saying which records are done."""
 

@@ -26,7 +26,7 @@ import attrs
 from .. import ast
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
-from ..dataset_store import RecordProgress, RecordStore, format_stats, program_meta, write_long_csv, write_summary
+from ..dataset_store import RecordProgress, RecordStore, format_stats, open_store, write_long_csv, write_summary
 from ..datasets import Dataset, Record
 from ..errors import DeltaError
 from ..ir import Resolved, ResolvedRun
@@ -229,12 +229,9 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     variables = list(dict.fromkeys(v for a in axes.values() for v, _ in a))
     columns = ["record", "line", *ds.fields, "sweep", *variables, "measure", *(TOKEN_COLUMNS if tokens else ()),
                "value"]
-    store = None
-    if out is not None:
-        options = {"normalise": None if norm is None else norm.text(), "engine": engine, "batch_size": batch_size,
-                   **({"align": alignment.text} if tokens else {})}
-        meta = program_meta(source, model.spec.model_id, options=options, columns=columns, records=len(ds.records))
-        store = RecordStore(Path(out), meta, columns, resume)
+    options = {"normalise": None if norm is None else norm.text(), "engine": engine, "batch_size": batch_size,
+               **({"align": alignment.text} if tokens else {})}
+    store = open_store(out, source, model.spec.model_id, columns, len(ds.records), resume, options)
     done = store.done if store is not None else set()
     todo = [(rec, res) for rec, res in good if rec.index not in done]
     console = _console_for(progress, console)
