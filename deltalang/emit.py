@@ -256,12 +256,16 @@ def emit_run_body(w: _Writer, run: RunPlan, depth: int, tokens: dict[str, tuple[
         if not run.ops:
             w.add(depth, "pass")
         return
-    steps = sorted({op.step or 0 for op in run.ops if op.value != "tokens"})
+    by_step: dict[int, list[PlanOp]] = {}  # one pass over the ops: a generate may have a step per new token
+    for op in run.ops:
+        if op.value != "tokens":
+            by_step.setdefault(op.step or 0, []).append(op)
+    steps = sorted(by_step)
     if steps:
         sel = f"{steps[0]}" if len(steps) == 1 else f"[{', '.join(map(str, steps))}]"
         w.add(depth, f"for step in tracer.iter[{sel}]:")
         for k in steps:
-            ops = [op for op in run.ops if (op.step or 0) == k and op.value != "tokens"]
+            ops = by_step[k]
             if len(steps) == 1:
                 emit_ops(w, run, ops, depth + 1, tokens)
             else:
