@@ -22,18 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from ..compiled import Experiment
+from ..shard_file import sync
 from .errors import DeltaSweepError
 from .job import Normalise, ResultRow, SweepJob
 
 CSV_NAME, META_NAME = "sweep.csv", "sweep.json"
-
-
-def _fsync(f: Any) -> None:
-    f.flush()
-    try:
-        os.fsync(f.fileno())
-    except OSError:  # pragma: no cover - some filesystems
-        pass
 
 
 class SweepStore:
@@ -123,7 +116,7 @@ class SweepStore:
             w.writerow(self.columns)
             for key in sorted(self.rows):
                 w.writerows(self.rows[key])
-            _fsync(f)
+            sync(f)
         os.replace(tmp, self.csv)
 
     def set_baselines(self, baselines: Mapping[str, Mapping[str, tuple[float, float]]]) -> None:
@@ -141,7 +134,7 @@ class SweepStore:
             w = csv.writer(f)
             for rows in cells.values():
                 w.writerows(rows)
-            _fsync(f)
+            sync(f)
         for cell, rows in cells.items():
             self.rows[(sweep, cell)] = rows
         self.done.setdefault(sweep, set()).update(cells)
