@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from deltalang import measures, ssd, testing_ssd
+from deltalang import internals, measures, ssd, testing_ssd
 
 
 def _mixer() -> tuple[Any, Any]:
@@ -45,18 +45,18 @@ def scan_inputs(length: int) -> tuple[Any, torch.Tensor, tuple, dict[str, Any], 
     torch.manual_seed(0)
     mixer, module = _mixer()
     x = torch.randn(1, length, 1024)
-    original = getattr(module, ssd.SCAN_GLOBAL)
+    original = getattr(module, internals.SCAN_GLOBAL)
     got: dict[str, Any] = {}
 
     def capture(*a: Any, **k: Any) -> Any:
         got["a"], got["k"] = a, k
         return original(*a, **k)
-    setattr(module, ssd.SCAN_GLOBAL, capture)
+    setattr(module, internals.SCAN_GLOBAL, capture)
     try:
         with torch.no_grad():
             mixer(x)
     finally:
-        setattr(module, ssd.SCAN_GLOBAL, original)
+        setattr(module, internals.SCAN_GLOBAL, original)
     return mixer, x, got["a"][:5], got["k"], original
 
 

@@ -1,6 +1,6 @@
 """Which implementation runs behind a transformers kernel global, and which one serves a call.
 
-`of(fn)` reads a kernel global (`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`, ...) as transformers'
+`of(fn)` reads a kernel global (a family's prompt kernel, its conv, ...) as transformers'
 hub-kernel wrapper bound it: the compiled implementation it chose (FLA, causal-conv1d, mamba_ssm's
 `mamba_chunk_scan_combined` / `selective_state_update` behind a Mamba-2 family's scan globals) and the torch
 reference, or whatever else the global is. `Backend.pick(device)` is the function a call on `device` runs:

@@ -30,7 +30,7 @@ ADJOINT_CHUNK = 32
 
 @attrs.define
 class ScanRecord:
-    """One Mamba-2 scan call's inputs, as transformers' `mamba2_chunk_scan` took them (detached)."""
+    """One Mamba-2 scan call's inputs, as transformers' prompt scan took them (detached)."""
 
     x: torch.Tensor  # hidden_states `[b, s, h, P]`
     dt: torch.Tensor  # raw step sizes `[b, s, h]` (`ssd.step_sizes` adds the bias, softplus, clamp)
@@ -106,7 +106,7 @@ class _Recorder:
         return b.out, final
 
     def _scan(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """One Mamba-2 scan call (`mamba2_chunk_scan`'s arguments), run as it is; its output `y` is `out`."""
+        """One Mamba-2 scan call (the prompt scan's arguments), run as it is; its output `y` is `out`."""
         names = ("hidden_states", "dt", "A", "B", "C", "chunk_size")
         call = dict(zip(names, args)) | kw
         x, dt, A, B, C = (call[n].detach() for n in names[:5])

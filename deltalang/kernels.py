@@ -1,7 +1,7 @@
 """The delta-rule kernels under the values: dispatch, routing, the site registry.
 
-`install(family)` rebinds the kernel globals of a family's modeling module (`torch_chunk_gated_delta_rule`,
-`torch_recurrent_gated_delta_rule`, `causal_conv1d_fn`, `causal_conv1d_update`, or the family's own names)
+`install(family)` rebinds the kernel globals of a family's modeling module (its prompt and decode
+kernels, its conv and conv-update functions: the names its hub decorators give, `families.Family`)
 to thin dispatchers; `uninstall(family)` puts back exactly what transformers bound. A dispatcher calls the
 bound function at once unless a running mixer's `Site` (`current_site()`, entered by the mixer's forward;
 known only through the `Site` protocol, so `mixer` is never imported) asks for values: then the site
@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from . import backends, families
+from . import backends, families, internals
 from .deltarule import CHUNK, per_token, per_token_loop, prepare, read_state  # noqa: F401  (the delta rule itself)
 from .errors import DeltaValueError
 
@@ -31,7 +31,9 @@ class PackedSequencesError(DeltaValueError, ValueError):
 
 ROUTES = ("default", "torch")
 
-# family name -> {global name: the function transformers bound at import}
+# family name -> {global name: what transformers bound at import (5.25: a `Func` module), put back by `uninstall`}
+_BOUND: dict[str, dict[str, Any]] = {}
+# family name -> {global name: the function that runs (`internals.kernel_function` of what was bound)}
 _ORIGINALS: dict[str, dict[str, Callable[..., Any]]] = {}
 # family name -> {global name: what that function runs (`deltalang.backends`)}
 _BACKENDS: dict[str, dict[str, backends.Backend]] = {}
@@ -102,9 +104,16 @@ def _kernel_names(fam: families.Family) -> tuple[str, str, str, str]:
 
 
 def original(fam: families.Family, name: str) -> Callable[..., Any]:
-    """The function a family's modeling module held under `name` at import."""
+    """The function a family's modeling module runs under `name` as transformers bound it at import."""
     install(fam)
     return _ORIGINALS[fam.name][name]
+
+
+def bound(fam: families.Family, name: str) -> Any:
+    """What a family's modeling module held under `name` at import, as it was (5.25: a `Func` module
+    calling `original(fam, name)`): what `uninstall` puts back."""
+    install(fam)
+    return _BOUND[fam.name][name]
 
 
 # by the function itself, weakly: an address is reused once its function is freed
@@ -169,30 +178,33 @@ def install(fam: families.Family) -> None:
     if fam.name in _ORIGINALS:
         return
     module = fam.module
-    originals = {name: _unwrapped(getattr(module, name)) for name in _kernel_names(fam)}
+    bound = {name: _unwrapped(getattr(module, name)) for name in _kernel_names(fam)}
+    _BOUND[fam.name] = bound
+    originals = {name: internals.kernel_function(fn) for name, fn in bound.items()}
     _ORIGINALS[fam.name] = originals
     _BACKENDS[fam.name] = {name: backends.of(fn) for name, fn in originals.items()}
     _ROUTE.setdefault(fam.name, "default")
-    setattr(module, fam.chunk_kernel, _make_dispatch(fam, "chunk", originals[fam.chunk_kernel]))
-    setattr(module, fam.recurrent_kernel, _make_dispatch(fam, "recurrent", originals[fam.recurrent_kernel]))
-    setattr(module, fam.conv_fn, _make_dispatch(fam, "conv", originals[fam.conv_fn]))
-    setattr(module, fam.conv_update, _make_dispatch(fam, "conv_update", originals[fam.conv_update]))
+    for which, name in zip(("chunk", "recurrent", "conv", "conv_update"), _kernel_names(fam)):
+        dispatch = _make_dispatch(fam, which, originals[name])
+        dispatch.__bound_kernel__ = bound[name]  # type: ignore[attr-defined]
+        setattr(module, name, dispatch)
 
 
-def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The kernel under a deltalang dispatcher (one of an earlier copy of this module), else `fn`."""
+def _unwrapped(fn: Any) -> Any:
+    """What transformers bound under a deltalang dispatcher (one of an earlier copy of this module), else `fn`."""
     while hasattr(fn, "__wrapped_kernel__"):
-        fn = fn.__wrapped_kernel__
+        fn = getattr(fn, "__bound_kernel__", fn.__wrapped_kernel__)
     return fn
 
 
 def uninstall(fam: families.Family) -> None:
     """Put back exactly the functions transformers bound at import."""
-    originals = _ORIGINALS.pop(fam.name, None)
+    _ORIGINALS.pop(fam.name, None)
     _BACKENDS.pop(fam.name, None)
-    if originals is None:
+    bound = _BOUND.pop(fam.name, None)
+    if bound is None:
         return
-    for name, fn in originals.items():
+    for name, fn in bound.items():
         setattr(fam.module, name, fn)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from . import bundled, families, values
+from . import bundled, compat, families, values
 from .errors import DeltaModelError
 
 
@@ -206,7 +206,8 @@ def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
 
 
 def load_spec(name_or_path: str | Path | None = None, trust_remote_code: bool = False) -> ModelSpec:
-    """A ModelSpec for a checkpoint, reading only its config and tokenizer."""
+    """A ModelSpec for a checkpoint, reading only its config and tokenizer (an untested transformers: one line)."""
+    compat.check_versions()  # the families are read from transformers' own code
     where, config = load_config(name_or_path, trust_remote_code)
     spec = spec_from_config(_display_id(name_or_path, where), config, None)
     return attrs.evolve(spec, tokenizer=load_tokenizer(where, trust_remote_code))

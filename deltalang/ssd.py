@@ -1,7 +1,7 @@
 """The Mamba-2 (SSD) scan itself, for what transformers' kernels do not give: every token's state, one token's read.
 
 Per head: h_t = exp(A dt_t) h_(t-1) + (dt_t x_t) ⊗ B_t (`[P, N]`), y_t = h_t C_t + D x_t. Arguments are those of
-transformers' `mamba2_chunk_scan` (`SCAN_GLOBAL`): hidden_states `[b, s, h, P]`, raw dt `[b, s, h]`, A, B/C
+transformers' prompt scan (`internals.SCAN_GLOBAL`): hidden_states `[b, s, h, P]`, raw dt `[b, s, h]`, A, B/C
 `[b, s, g, N]`, D, dt_bias, initial_states `[b, h, P, N]`.
 - `per_token` (y and every state, float32, chunked), `per_token_loop` (token by token, the tests' reference);
 - without every state at once: `per_token_reduced` (a group of chunks of one row at a time, to sinks),
@@ -22,9 +22,6 @@ import torch.nn.functional as F
 
 from .errors import DeltaError
 
-# transformers' module globals of the six Mamba-2 modeling modules (hub-kernel names in the note)
-SCAN_GLOBAL = "mamba2_chunk_scan"  # "mamba_chunk_scan_combined" (mamba_ssm)
-STEP_GLOBAL = "mamba2_selective_state_update"  # "selective_state_update" (mamba_ssm)
 # chunk length of `per_token`: materialising the states costs s * CHUNK * P * N multiply-adds per
 # head, the scan over chunks s / CHUNK sequential steps; at P 64, N 128 on a CPU 32 was the fastest
 # for `states` (16: 1.3x slower, 128: 2x) and close to the fastest for `final_state` (64)
@@ -283,7 +280,7 @@ def final_state(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, 
                 chunk_size: int, *, dt_bias: torch.Tensor | None = None, initial_states: torch.Tensor | None = None,
                 dt_softplus: bool = False, dt_limit: tuple[float, float] = _NO_LIMIT, **_: Any) -> torch.Tensor:
     """The state after the last token alone, `[b, h, P, N]` float32: the state's half of transformers' torch scan
-    (`SCAN_GLOBAL`), its operations in its order and chunking, so that the state is the scan's own final state bit
+    (`internals.SCAN_GLOBAL`), its operations in its order and chunking, so that the state is the scan's own final state bit
     for bit while the outputs (the C.B products within each chunk: most of the scan's cost) are never computed.
     A read's side call over a prefix, behind transformers' torch scan only (C is not used)."""
     b, s, h, P = hidden_states.shape
@@ -381,7 +378,7 @@ def split(scan: Scan, hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Te
           reread: bool = True) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """The family's own scan cut after each of `positions`, continued from its final state (or `replace[t]`).
 
-    `scan` is the modeling module's global (`SCAN_GLOBAL`) called as its mixer calls it, with
+    `scan` is the modeling module's global (`internals.SCAN_GLOBAL`) called as its mixer calls it, with
     `initial_states` and `return_final_states=True`. Where `replace` holds a state `[b, h, P, N]` for
     t, the scan continues from it and token t's output is re-read from it (`read_state`; with
     `reread=False` token t keeps the output of the state it computed, as a cache edited after t does).

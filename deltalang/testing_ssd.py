@@ -2,7 +2,7 @@
 
 Contract:
 - `MAMBA2_FAMILY_NAMES` names the model types whose modeling modules carry the Mamba-2 scan
-  (`mamba2_chunk_scan`): granitemoehybrid, nemotron_h, falcon_h1, bamba, zamba2, mamba2.
+  (`internals.SCAN_GLOBAL`): granitemoehybrid, nemotron_h, falcon_h1, bamba, zamba2, mamba2.
 - `tiny_ssd_config(name)` is a small config from transformers' own config class (hidden 64, 4 heads
   of 32, d_state 16, chunk 8; the hybrids with Mamba-2 and attention blocks both);
   `build_tiny_ssd(name, path, **fields)` writes a loadable checkpoint (config, safetensors, byte tokenizer);

@@ -33,7 +33,7 @@ suppressed (as `min_new_tokens=max_new_tokens` does).
 For Mamba-2 (SSD) blocks the tests build their truth from the same pieces, kept here once:
 `hf_forward` (transformers' forward with a cache, positions from `start` where the model takes them),
 `cache_after` (its cache after tokens 0..t), `kernel_patched` (a kernel global of the family's modeling module,
-the scan `ssd.SCAN_GLOBAL`, the decode step `ssd.STEP_GLOBAL` or the convolution, called through a wrapper
+the scan `internals.SCAN_GLOBAL`, the decode step `internals.STEP_GLOBAL` or the convolution, called through a wrapper
 told which Mamba-2 mixer runs: `mixer_running`, `kernel_global`) and `step_replaced` (a one-token step whose
 state update ends in a written state, which the token reads: y = h C + D x).
 """
@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deltalang import families, kernels, ssd, testing_ssd
-from deltalang.compat import cache_kwargs, output_cache
+from deltalang import families, internals, kernels, testing_ssd
+from deltalang.internals import cache_kwargs, output_cache
 from deltalang.model import decoder, decoder_layers
 
 PER_TOKEN_INPUTS = ("attention_queries", "attention_keys", "attention_values", "decays", "betas")
@@ -376,7 +376,7 @@ def step_replaced(name: str, hf: Any, new: dict[int, torch.Tensor]) -> Iterator[
                 y = y * F.silu(kw["z"].float())
             return y.to(out.dtype)
         return step
-    with mixer_running(hf) as current, kernel_global(name, ssd.STEP_GLOBAL, make):
+    with mixer_running(hf) as current, kernel_global(name, internals.STEP_GLOBAL, make):
         yield
 
 

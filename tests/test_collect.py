@@ -23,7 +23,7 @@ import deltalang
 import deltalang.bundled
 from deltalang import collect
 from deltalang.cli import main
-from deltalang.compat import output_cache
+from deltalang.internals import output_cache
 from deltalang.dataset_run import run_dataset
 from deltalang.errors import DeltaError
 from deltalang.testing import load_hf

@@ -17,8 +17,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from deltalang import cli, compat, compiled
-from deltalang.compat import UnsupportedVersion, cache_keyword, cache_kwargs, output_cache
+from deltalang import cli, compat, compiled, internals
+from deltalang.compat import UnsupportedVersion
+from deltalang.internals import cache_keyword, cache_kwargs, output_cache
 from deltalang.model import decoder_layers
 from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
@@ -51,7 +52,7 @@ def test_the_keyword_is_read_off_the_signature_called() -> None:
 
     assert cache_kwargs(1, new) == {"cache": 1}
     assert cache_kwargs(1, old) == {"past_key_values": 1}
-    assert cache_keyword(neither) == cache_keyword() in compat.CACHE_KEYWORDS  # the installed transformers'
+    assert cache_keyword(neither) == cache_keyword() in internals.cache.KEYWORDS  # the installed transformers'
 
 
 def test_the_default_keyword_is_the_installed_transformers_forwards() -> None:
@@ -61,6 +62,7 @@ def test_the_default_keyword_is_the_installed_transformers_forwards() -> None:
 
 
 @pytest.mark.parametrize("package, version", [("transformers", "5.20.2"), ("transformers", "6.0.0"),
+                                              ("transformers", "5.26.0"), ("transformers", "5.26.0rc1"),
                                               ("transformers", "6.0.0rc1"), ("transformers", "5.21.0.dev0"),
                                               ("nnsight", "0.7.0"), ("nnsight", "0.9.0"), ("nnsight", None)])
 def test_an_unsupported_version_is_one_line_naming_it_and_the_range(monkeypatch: pytest.MonkeyPatch,
@@ -74,7 +76,7 @@ def test_an_unsupported_version_is_one_line_naming_it_and_the_range(monkeypatch:
     assert (f"{package} {version} is not supported" if version else f"{package} is not installed") in message
 
 
-@pytest.mark.parametrize("version", ["5.21.0", "5.24.0", "5.99.1", "5.22.0rc1"])
+@pytest.mark.parametrize("version", ["5.21.0", "5.24.0", "5.25.0", "5.25.3", "5.22.0rc1"])
 def test_versions_in_the_range_pass(version: str) -> None:
     assert compat.problem("transformers", version) is None
 
@@ -86,8 +88,23 @@ def test_the_command_line_says_it_in_one_line(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(compiled, "_MODELS", {})  # no model an earlier test loaded in this process
     assert cli.main(["run", str(ROOT / "examples" / "eiffel.dl")]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == ("error: transformers 5.20.2 is not supported; deltalang needs transformers>=5.21.0,<6 "
-                   "(pip install 'transformers>=5.21.0,<6')")
+    assert err == ("error: transformers 5.20.2 is not supported; deltalang is tested on transformers>=5.21.0,<5.26 "
+                   "(pip install 'transformers>=5.21.0,<5.26')")
+
+
+@pytest.mark.parametrize("command", [["run", str(ROOT / "examples" / "eiffel.dl")], ["info"]])
+def test_a_forced_newer_transformers_is_one_line_at_load_and_in_info(monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str],
+                                                                       command: list[str]) -> None:
+    """A release newer than CI runs (simulated: the installed version string patched to 5.26.0), forced in by a
+    user: the range tested and what to install, in one line, before any kernel of it is touched."""
+    real = compat.installed
+    monkeypatch.setattr(compat, "installed", lambda p: "5.26.0" if p == "transformers" else real(p))
+    monkeypatch.setattr(compiled, "_MODELS", {})
+    assert cli.main(command) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: transformers 5.26.0 is not supported; deltalang is tested on transformers>=5.21.0,<5.26 "
+                   "(pip install 'transformers>=5.21.0,<5.26')")
 
 
 def test_an_nnsight_too_old_to_import_is_one_line(tmp_path: Path) -> None:
@@ -103,7 +120,7 @@ def test_an_nnsight_too_old_to_import_is_one_line(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-c", main, "run", str(ROOT / "examples" / "eiffel.dl")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 1, run.stderr
-    assert run.stderr.strip().splitlines() == ["error: nnsight 0.7.0 is not supported; deltalang needs "
+    assert run.stderr.strip().splitlines() == ["error: nnsight 0.7.0 is not supported; deltalang is tested on "
                                                "nnsight>=0.8.0,<0.9 (pip install 'nnsight>=0.8.0,<0.9')"]
 
 

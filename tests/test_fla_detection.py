@@ -23,7 +23,7 @@ import torch
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 import deltalang
-from deltalang import backends, families, info, kernels, ssd, testing_ssd
+from deltalang import backends, families, info, internals, kernels, testing_ssd
 from deltalang.testing import tiny_checkpoint
 
 FAMILY = "qwen3_5"
@@ -175,7 +175,7 @@ def test_a_users_flash_qla_setting_is_kept(flash_qla: tuple, monkeypatch: pytest
 # -- mamba_ssm behind a Mamba-2 family's scan globals ---------------------------------------------------------
 
 SSD_FAMILY = "bamba"
-MAMBA_SSM = (("mamba_chunk_scan_combined", ssd.SCAN_GLOBAL), ("selective_state_update", ssd.STEP_GLOBAL))
+MAMBA_SSM = (("mamba_chunk_scan_combined", internals.SCAN_GLOBAL), ("selective_state_update", internals.STEP_GLOBAL))
 _TORCH: dict[tuple[str, str], Callable[..., Any]] = {}
 
 
@@ -183,7 +183,7 @@ def _fake_mamba_ssm(seen: list[tuple[str, dict]]) -> types.ModuleType:
     """A `mamba_ssm` whose two kernels (mamba_ssm 2.x's signatures) record each call's keywords and compute with
     transformers' torch reference."""
     fam = families.by_name(SSD_FAMILY)
-    scan_ref, step_ref = (_TORCH[(fam.name, name)] for name in (ssd.SCAN_GLOBAL, ssd.STEP_GLOBAL))
+    scan_ref, step_ref = (_TORCH[(fam.name, name)] for name in (internals.SCAN_GLOBAL, internals.STEP_GLOBAL))
 
     def mamba_chunk_scan_combined(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                                   C: torch.Tensor, chunk_size: int, D: Any = None, z: Any = None, dt_bias: Any = None,
@@ -307,7 +307,7 @@ def test_mamba_ssm_installed_but_failing_to_import_is_said(bind_ssm: Callable, m
     real = importlib.import_module
     monkeypatch.setattr(importlib, "import_module", lambda name, package=None: (
         broken(name) if name.split(".")[0] == "mamba_ssm" else real(name, package)))  # the probe's import fails too
-    b = kernels.backend(model.family, ssd.SCAN_GLOBAL)
+    b = kernels.backend(model.family, internals.SCAN_GLOBAL)
     assert b.compiled is None and b.tried == ("mamba_ssm", "mamba_chunk_scan_combined")
     line = ("mamba-ssm 2.2.4 is installed but not bound: ImportError: libcudart.so.12: cannot open shared object "
             "file (triton 3.9.0); transformers runs its torch kernels")

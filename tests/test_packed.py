@@ -25,7 +25,7 @@ from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_p
 
 import deltalang
 from deltalang import kernels
-from deltalang.compat import cache_kwargs
+from deltalang.internals import cache_kwargs
 from deltalang.errors import DeltaError
 from deltalang.testing import FAMILY_NAMES
 

@@ -16,7 +16,7 @@ import torch
 from reference import hf_forward as _forward
 from reference import kernel_patched
 
-from deltalang import compat, ssd, testing_ssd
+from deltalang import internals, ssd, testing_ssd
 
 FAMILIES = testing_ssd.MAMBA2_FAMILY_NAMES
 PROMPT_LEN = 21  # crosses the tiny configs' chunk of 8 unevenly (and `per_token` is run at chunk 3 too)
@@ -41,7 +41,7 @@ def _ids(n: int = PROMPT_LEN, rows: int = 1, seed: int = 0) -> torch.Tensor:
 
 
 def _cache_states(out: Any, layers: list[int]) -> dict[int, torch.Tensor]:
-    cache = compat.output_cache(out)
+    cache = internals.output_cache(out)
     return {i: cache.get_recurrent_state(i).clone() for i in layers}
 
 
@@ -53,7 +53,7 @@ def _capture(name: str, model: Any, ids: torch.Tensor) -> tuple[Any, dict[int, t
         result = original(*a, **k)
         calls[layer] = (a, k, result)
         return result
-    with kernel_patched(name, model, ssd.SCAN_GLOBAL, record):
+    with kernel_patched(name, model, internals.SCAN_GLOBAL, record):
         out = _forward(model, ids)
     return out, calls
 
@@ -84,7 +84,7 @@ def test_per_token_is_the_loop_and_transformers_scan(chunk: int) -> None:
     y_loop, states_loop = ssd.per_token_loop(*args, **kw)
     _close(y, y_loop)
     _close(states, states_loop)
-    scan = getattr(testing_ssd.modeling_module("mamba2"), ssd.SCAN_GLOBAL)
+    scan = getattr(testing_ssd.modeling_module("mamba2"), internals.SCAN_GLOBAL)
     y_tf, final_tf = scan(*args, 8, return_final_states=True, **kw)
     _close(y, y_tf)
     _close(states[:, -1], final_tf)
@@ -105,7 +105,7 @@ def test_per_token_follows_gradients() -> None:
 
 def test_split_refuses_positions_it_cannot_cut() -> None:
     args, kw = _random_inputs(s=9)
-    scan = getattr(testing_ssd.modeling_module("mamba2"), ssd.SCAN_GLOBAL)
+    scan = getattr(testing_ssd.modeling_module("mamba2"), internals.SCAN_GLOBAL)
     with pytest.raises(ssd.SSDError, match="tokens 0..8"):
         ssd.split(scan, *args, 8, [9], **kw)
     with pytest.raises(ssd.SSDError, match="not a split position"):
@@ -129,7 +129,7 @@ def test_tiny_checkpoint_has_mamba2_mixers(name: str) -> None:
         assert len(layers) < n_blocks, f"{name}: every block is Mamba-2; the tiny config asks for attention too"
     out = _forward(model, _ids())
     for i in layers:
-        assert compat.output_cache(out).get_recurrent_state(i).shape == (1, 4, 32, 16)
+        assert internals.output_cache(out).get_recurrent_state(i).shape == (1, 4, 32, 16)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -156,7 +156,7 @@ def test_per_token_states_are_the_cache_after_every_prefix(name: str) -> None:
     model = _model(name)
     ids = _ids()
     _, calls = _capture(name, model, ids)
-    assert calls, f"{name}: the forward never called {ssd.SCAN_GLOBAL}"
+    assert calls, f"{name}: the forward never called {internals.SCAN_GLOBAL}"
     with torch.no_grad():
         mine = {i: ssd.per_token(*a[:5], **_scan_kwargs(k)) for i, (a, k, _) in calls.items()}
         small = {i: ssd.per_token(*a[:5], chunk_size=3, **_scan_kwargs(k))[1] for i, (a, k, _) in calls.items()}
@@ -186,12 +186,12 @@ def test_split_continues_exactly(name: str) -> None:
         y, states, final = ssd.split(original, *a[:5], k["chunk_size"], [3, 9, 16], **_scan_kwargs(k))
         reached[layer] = states
         return (y, final) if k.get("return_final_states") else y
-    with kernel_patched(name, model, ssd.SCAN_GLOBAL, cut):
+    with kernel_patched(name, model, internals.SCAN_GLOBAL, cut):
         out = _forward(model, ids)
     _close(out.logits, plain.logits)
     layers = list(calls)
     for i, want in _cache_states(plain, layers).items():
-        _close(compat.output_cache(out).get_recurrent_state(i), want)
+        _close(internals.output_cache(out).get_recurrent_state(i), want)
     for t, j in ((3, 0), (9, 1), (16, 2)):
         for i, want in _cache_states(_forward(model, ids[:, : t + 1]), layers).items():
             _close(reached[i][j], want)
@@ -209,7 +209,7 @@ def _written(name: str, model: Any, ids: torch.Tensor, layer: int, t: int, edite
         y, _, final = ssd.split(original, *a[:5], k["chunk_size"], [t], replace={t: edited}, reread=reread,
                                 **_scan_kwargs(k))
         return (y, final) if k.get("return_final_states") else y
-    with kernel_patched(name, model, ssd.SCAN_GLOBAL, write):
+    with kernel_patched(name, model, internals.SCAN_GLOBAL, write):
         return _forward(model, ids)
 
 
@@ -224,7 +224,7 @@ def test_replaced_state_continues_like_an_edited_cache(name: str) -> None:
     state are those of transformers' own continuation from a cache whose state after t was edited in place."""
     model = _model(name)
     ids, t, layer = _ids(), 6, _middle_mixer(model)
-    cache = compat.output_cache(_forward(model, ids[:, : t + 1]))
+    cache = internals.output_cache(_forward(model, ids[:, : t + 1]))
     state = cache.get_recurrent_state(layer)
     edited = _edit(state)
     state.copy_(edited)
@@ -235,7 +235,7 @@ def test_replaced_state_continues_like_an_edited_cache(name: str) -> None:
     assert changed > 1e-2, f"{name}: the edit did not move the later logits ({changed:.3g})"
     _close(out.logits[:, t + 1:], rest.logits)
     _close(out.logits[:, : t + 1], clean.logits[:, : t + 1])
-    _close(compat.output_cache(out).get_recurrent_state(layer), compat.output_cache(rest).get_recurrent_state(layer))
+    _close(internals.output_cache(out).get_recurrent_state(layer), internals.output_cache(rest).get_recurrent_state(layer))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -256,12 +256,12 @@ def test_replaced_state_is_read_by_its_own_token(name: str) -> None:
             y[:, -1] = torch.einsum("bhpn,bhn->bhp", edited, C_t) + k["D"].float()[:, None] * a[0][:, -1].float()
             final = edited.clone()
         return y, final
-    with kernel_patched(name, model, ssd.SCAN_GLOBAL, by_hand):
+    with kernel_patched(name, model, internals.SCAN_GLOBAL, by_hand):
         prefix = _forward(model, ids[:, : t + 1])
-    rest = _forward(model, ids[:, t + 1:], cache=compat.output_cache(prefix), start=t + 1)
+    rest = _forward(model, ids[:, t + 1:], cache=internals.output_cache(prefix), start=t + 1)
     out = _written(name, model, ids, layer, t, edited, reread=True)
     clean = _forward(model, ids)
     assert float((clean.logits[:, t] - prefix.logits[:, t]).abs().max()) > 1e-2  # token t moved
     _close(out.logits[:, : t + 1], prefix.logits)
     _close(out.logits[:, t + 1:], rest.logits)
-    _close(compat.output_cache(out).get_recurrent_state(layer), compat.output_cache(rest).get_recurrent_state(layer))
+    _close(internals.output_cache(out).get_recurrent_state(layer), internals.output_cache(rest).get_recurrent_state(layer))

@@ -22,7 +22,7 @@ import torch
 from reference import cache_after, hf_forward, kernel_global, mixer_running
 
 import deltalang
-from deltalang import compat, families, gradients, ssd, testing_ssd
+from deltalang import families, gradients, internals, testing_ssd
 from deltalang.sweep import paths
 from deltalang.sweep.attribution import target_of
 from deltalang.sweep.job import measure_label
@@ -96,7 +96,7 @@ def _state_leaf_grad(name: str, hf: Any, ids: torch.Tensor, layer: int, t: int, 
             return (y, final) if want_final else y
         return scan
 
-    with mixer_running(hf) as current, kernel_global(name, ssd.SCAN_GLOBAL, make), torch.enable_grad():
+    with mixer_running(hf) as current, kernel_global(name, internals.SCAN_GLOBAL, make), torch.enable_grad():
         m = _m(hf(ids, use_cache=False).logits, a, b)
     assert len(leaves) == 1
     with torch.no_grad():  # the cut scan is the plain forward's
@@ -109,7 +109,7 @@ def _window_leaf_grad(hf: Any, ids: torch.Tensor, layer: int, t: int) -> torch.T
     (two tokens or more: a one-token step updates its state in place, which autograd refuses)."""
     assert t + 2 < ids.shape[1]
     with torch.no_grad():
-        cache = compat.output_cache(_forward(hf, ids[:, :t + 1]))
+        cache = internals.output_cache(_forward(hf, ids[:, :t + 1]))
     held = cache.layers[layer]
     conv = held.conv_states[0]
     leaf = conv[..., 1:].clone().requires_grad_(True)
@@ -214,7 +214,7 @@ def test_the_recorded_states_and_windows_are_the_caches(name: str) -> None:
                 gradients.windows(blk)
             for t in range(n):
                 with torch.no_grad():
-                    held = compat.output_cache(_forward(_hf(name), ids[:, :t + 1]))
+                    held = internals.output_cache(_forward(_hf(name), ids[:, :t + 1]))
                 _close(every[:, t], held.get_recurrent_state(i), 1e-5)
                 if t in some:
                     _close(some[t], held.get_recurrent_state(i), 1e-5)
@@ -274,14 +274,14 @@ def _patched_ab(name: str, ids: torch.Tensor, layer: int, t: int, state: torch.T
             return y.to(out.dtype)
         return step
 
-    with torch.no_grad(), mixer_running(hf) as current, kernel_global(name, ssd.STEP_GLOBAL, make):
+    with torch.no_grad(), mixer_running(hf) as current, kernel_global(name, internals.STEP_GLOBAL, make):
         if state is not None:  # tokens 0..t-1, then token t a step whose state is replaced
             assert t >= 1
-            cache = compat.output_cache(_forward(hf, ids[:, :t]))
+            cache = internals.output_cache(_forward(hf, ids[:, :t]))
             out = _forward(hf, ids[:, t:t + 1], cache, start=t)
         else:
             out = _forward(hf, ids[:, :t + 1])
-        cache = compat.output_cache(out)
+        cache = internals.output_cache(out)
         if window is not None:
             conv = cache.layers[layer].conv_states[0]
             conv[..., 1:] = window.to(conv.dtype)
@@ -375,11 +375,11 @@ def test_a_blocks_path_integrates_to_the_change_its_end_makes() -> None:
 
     a, b = _answers(name)
     with torch.no_grad(), mixer_running(hf) as current:
-        with kernel_global(name, ssd.SCAN_GLOBAL, keep):
+        with kernel_global(name, internals.SCAN_GLOBAL, keep):
             hf(donor_ids, use_cache=False)
         base = float(_m(hf(ids, use_cache=False).logits, a, b))
         for layer in blocks:
-            with kernel_global(name, ssd.SCAN_GLOBAL, swap(layer)):
+            with kernel_global(name, internals.SCAN_GLOBAL, swap(layer)):
                 want = float(_m(hf(ids, use_cache=False).logits, a, b)) - base
             rec = got[layer][0].blocks[layer]
             assert rec.grad_out is not None and rec.grad_out.shape[0] == steps
@@ -465,8 +465,8 @@ def test_attribution_over_a_dataset_equals_transformers() -> None:
             for k, (ids, corrupt, a, b, at) in enumerate(runs):
                 t = at[label]
                 with torch.no_grad():
-                    here = compat.output_cache(_forward(hf, ids[:, :t + 1])).get_recurrent_state(layer)
-                    there = compat.output_cache(_forward(hf, corrupt[:, :t + 1])).get_recurrent_state(layer)
+                    here = internals.output_cache(_forward(hf, ids[:, :t + 1])).get_recurrent_state(layer)
+                    there = internals.output_cache(_forward(hf, corrupt[:, :t + 1])).get_recurrent_state(layer)
                 grad = _state_leaf_grad(name, hf, ids, layer, t, a, b)
                 want = float((grad * (there - here)).sum())
                 assert got[k] == pytest.approx(want, rel=1e-3, abs=1e-6), (layer, label, k)

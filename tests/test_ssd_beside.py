@@ -19,7 +19,7 @@ from reference import hf_forward as _forward
 from reference import step_replaced
 
 import deltalang
-from deltalang import compat, ssd, testing_ssd
+from deltalang import internals, ssd, testing_ssd
 from deltalang.errors import DeltaError
 
 FAMILIES = ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h")
@@ -42,7 +42,7 @@ def _inputs(b: int, s: int, h: int, P: int, N: int, g: int, init: bool) -> tuple
                                    (1, 300, 8, 64, 128, 1, 256, True)])
 def test_the_state_half_is_the_scans_own_final_state_bit_for_bit(name: str, shape: tuple) -> None:
     b, s, h, P, N, g, chunk, init = shape
-    scan = getattr(testing_ssd.modeling_module(name), ssd.SCAN_GLOBAL)
+    scan = getattr(testing_ssd.modeling_module(name), internals.SCAN_GLOBAL)
     args, kw = _inputs(b, s, h, P, N, g, init)
     with torch.no_grad():
         _, want = scan(*args, chunk, return_final_states=True, **kw)
@@ -54,7 +54,7 @@ def test_the_state_half_is_the_scans_own_final_state_bit_for_bit(name: str, shap
 def test_a_change_carried_is_the_scan_continued_from_the_changed_state(q: int) -> None:
     """transformers' scan over tokens ..q, its state changed, continued over q+1.. with `initial_states`: the later
     outputs and final state are the unchanged call's plus `ssd.carried`."""
-    scan = getattr(testing_ssd.modeling_module("bamba"), ssd.SCAN_GLOBAL)
+    scan = getattr(testing_ssd.modeling_module("bamba"), internals.SCAN_GLOBAL)
     args, kw = _inputs(2, 37, 4, 8, 6, 2, True)
     change = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -88,11 +88,11 @@ def _edited_logits(name: str, ids: torch.Tensor, layer: int, writes: list[tuple[
         if t > pos:
             out = _forward(hf, ids[:, pos:t], cache, pos)
             logits.append(out.logits)
-            cache = compat.output_cache(out)
+            cache = internals.output_cache(out)
         with step_replaced(name, hf, {layer: state}):
             out = _forward(hf, ids[:, t:t + 1], cache, t)
         logits.append(out.logits)
-        cache, pos = compat.output_cache(out), t + 1
+        cache, pos = internals.output_cache(out), t + 1
     if pos < ids.shape[1]:
         logits.append(_forward(hf, ids[:, pos:], cache, pos).logits)
     return torch.cat(logits, dim=1)
@@ -134,11 +134,11 @@ def _cache_after(name: str, ids: torch.Tensor, layer: int, writes: list[tuple[in
     cache, pos = None, 0
     for w, state in writes:
         if w > pos:
-            cache = compat.output_cache(_forward(hf, ids[:, pos:w], cache, pos))
+            cache = internals.output_cache(_forward(hf, ids[:, pos:w], cache, pos))
         with step_replaced(name, hf, {layer: state}):
-            cache = compat.output_cache(_forward(hf, ids[:, w:w + 1], cache, w))
+            cache = internals.output_cache(_forward(hf, ids[:, w:w + 1], cache, w))
         pos = w + 1
-    cache = compat.output_cache(_forward(hf, ids[:, pos:t + 1], cache, pos))
+    cache = internals.output_cache(_forward(hf, ids[:, pos:t + 1], cache, pos))
     return cache.get_recurrent_state(layer).float()
 
 

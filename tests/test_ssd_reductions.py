@@ -21,7 +21,7 @@ from reference import Largest, cache_after, hf_forward, step_replaced
 
 import deltalang
 from deltalang import measures, ssd, testing_ssd
-from deltalang.compat import output_cache
+from deltalang.internals import output_cache
 
 FAMILIES = ("bamba", "granitemoehybrid")
 PROMPT = "The Eiffel Tower is in Paris, and the Gate is in Berlin."  # 56 byte tokens: past two of ssd's chunks

@@ -33,7 +33,7 @@ from reference import hf_forward as _forward
 from reference import kernel_patched
 
 import deltalang
-from deltalang import compat, ssd, testing, testing_ssd
+from deltalang import internals, testing, testing_ssd
 from deltalang.sweep import run_sweep
 
 SERVED = testing_ssd.MAMBA2_FAMILY_NAMES  # all six, zamba2 too (sweep/job.py's ENGINE_SSM_FAMILIES)
@@ -113,16 +113,16 @@ def _scan_written(name: str, hf: Any, writes: Mapping[int, Fn], cut: int) -> Abs
                                    return_final_states=True, **kw)
             y = torch.cat([y, rest], dim=1)
         return (y, state) if final else y
-    return kernel_patched(name.split("+")[0], hf, ssd.SCAN_GLOBAL, scan)
+    return kernel_patched(name.split("+")[0], hf, internals.SCAN_GLOBAL, scan)
 
 
 def _state_written(name: str, hf: Any, ids: torch.Tensor, t: int, writes: Mapping[int, Fn]) -> tuple[Any, Any]:
     """transformers' last logits `[1, vocab]` and cache with the state after t of each layer of `writes` written."""
     p = max(0, t - 1)  # two tokens or more continue from the cache: the prompt scan
-    cache = compat.output_cache(_forward(hf, ids[:, :p])) if p > 0 else None
+    cache = internals.output_cache(_forward(hf, ids[:, :p])) if p > 0 else None
     with _scan_written(name, hf, writes, t - p):
         out = _forward(hf, ids[:, p:], cache, start=p)
-    return out.logits[:, -1], compat.output_cache(out)
+    return out.logits[:, -1], internals.output_cache(out)
 
 
 def _window_written(hf: Any, ids: torch.Tensor, t: int, layer: int, window: torch.Tensor) -> tuple[Any, Any]:
@@ -130,7 +130,7 @@ def _window_written(hf: Any, ids: torch.Tensor, t: int, layer: int, window: torc
     cache = _cache_after(hf, ids, t)
     cache.get_conv_state(layer)[:, :, 1:] = window
     out = _forward(hf, ids[:, t + 1:], cache, start=t + 1)
-    return out.logits[:, -1], compat.output_cache(out)
+    return out.logits[:, -1], internals.output_cache(out)
 
 
 def _measures(model: deltalang.DeltaModel, logits: torch.Tensor, cache: Any, last: int) -> dict[str, float]:
@@ -255,7 +255,7 @@ def test_a_write_at_the_last_token_runs_the_prompt_scan(tmp_path: Path, monkeypa
     ids = _ids(model, CLEAN)
     s = ids.shape[1]
     last = model.spec.ssm_layers()[-1]
-    step = compat.output_cache(_forward(hf, ids[:, -1:], _cache_after(hf, ids, s - 2), start=s - 1))
+    step = internals.output_cache(_forward(hf, ids[:, -1:], _cache_after(hf, ids, s - 2), start=s - 1))
     whole = _cache_after(hf, ids, s - 1)
     gap = float((step.get_recurrent_state(last) - whole.get_recurrent_state(last)).norm())
     assert gap > 100 * TOL * float(whole.get_recurrent_state(last).norm())  # the decode step is not the scan here
@@ -304,7 +304,7 @@ def _record_truth(name: str, record: Mapping[str, str], run: str) -> tuple[float
     s = ids.shape[1]
     if run == "clean":
         out = _forward(hf, ids)
-        logits, cache = out.logits[:, -1], compat.output_cache(out)
+        logits, cache = out.logits[:, -1], internals.output_cache(out)
     elif run == "patched":
         t = record["prompt"].index(record["subject"]) + len(record["subject"]) - 1  # one token a byte
         donor = _cache_after(hf, _ids(model, record["corrupt"]), t)
@@ -359,7 +359,7 @@ def test_a_one_token_continuation_copies_the_prefix_state_and_keeps_its_final_st
     for r in range(2):
         assert float((got.logits[r] - step.logits[0, -1]).abs().max()) <= TOL * float(step.logits.abs().max())
         for i in layers:
-            want = compat.output_cache(step).get_recurrent_state(i)[0]
+            want = internals.output_cache(step).get_recurrent_state(i)[0]
             assert float((got.state_outputs[i][r] - want).abs().max()) <= TOL * float(want.abs().max()), (r, i)
     assert all(torch.equal(before[k], cap.values[k]) for k in before)
 

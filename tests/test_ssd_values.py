@@ -22,7 +22,7 @@ from reference import hf_forward as _forward
 from reference import kernel_patched, step_replaced
 
 import deltalang
-from deltalang import compat, ssd, testing_ssd
+from deltalang import internals, testing_ssd
 
 SERVED = testing_ssd.MAMBA2_FAMILY_NAMES  # all six: zamba2's hybrid blocks nest the mixer, mamba2 has no attention
 PROMPT_LEN = 13  # crosses the tiny configs' chunk of 8
@@ -53,13 +53,13 @@ def _ssm(hf: Any) -> list[int]:
 
 def _written_logits(name: str, hf: Any, ids: torch.Tensor, new: dict[int, torch.Tensor], t: int) -> torch.Tensor:
     """transformers' logits of tokens t.. with the state after t of each layer of `new` replaced (the module doc)."""
-    cache = compat.output_cache(_forward(hf, ids[:, :t])) if t > 0 else None
+    cache = internals.output_cache(_forward(hf, ids[:, :t])) if t > 0 else None
     assert cache is not None, "the tests write after t >= 1"
     with step_replaced(name, hf, new):
         out = _forward(hf, ids[:, t:t + 1], cache, start=t)
     logits = [out.logits]
     if t + 1 < ids.shape[1]:
-        logits.append(_forward(hf, ids[:, t + 1:], compat.output_cache(out), start=t + 1).logits)
+        logits.append(_forward(hf, ids[:, t + 1:], internals.output_cache(out), start=t + 1).logits)
     return torch.cat(logits, dim=1)
 
 
@@ -149,10 +149,10 @@ def test_a_read_after_a_write_sees_the_written_state(name: str) -> None:
         model.layers[layer].linear_attn.set_state_after(2, donor)
         later = model.layers[layer].linear_attn.state_after(6).save()
     # ground truth: the cache after token 6, continued from the donor's state after token 2
-    cache = compat.output_cache(_forward(hf, ids[:, :2]))
+    cache = internals.output_cache(_forward(hf, ids[:, :2]))
     with step_replaced(name, hf, {layer: donor}):
         out = _forward(hf, ids[:, 2:3], cache, start=2)
-    cache = compat.output_cache(_forward(hf, ids[:, 3:7], compat.output_cache(out), start=3))
+    cache = internals.output_cache(_forward(hf, ids[:, 3:7], internals.output_cache(out), start=3))
     want = cache.get_recurrent_state(layer)
     _close(later, want)
     clean = _cache_after(hf, ids, 6).get_recurrent_state(layer)
@@ -231,7 +231,7 @@ def test_decode_steps_serve_the_cached_state(name: str) -> None:
     cache = _cache_after(hf, ids, ids.shape[1] - 1)
     _close(entering, cache.get_recurrent_state(layer))
     step = _forward(hf, tokens[:, ids.shape[1]:ids.shape[1] + 1], cache, start=ids.shape[1])
-    _close(leaving, compat.output_cache(step).get_recurrent_state(layer))
+    _close(leaving, internals.output_cache(step).get_recurrent_state(layer))
     assert torch.equal(after, leaving)
     with torch.no_grad(), model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
         for step in tracer.iter[1]:
@@ -240,7 +240,7 @@ def test_decode_steps_serve_the_cached_state(name: str) -> None:
     cache = _cache_after(hf, ids, ids.shape[1] - 1)
     cache.get_recurrent_state(layer).zero_()
     step = _forward(hf, tokens[:, ids.shape[1]:ids.shape[1] + 1], cache, start=ids.shape[1])
-    _close(zeroed, compat.output_cache(step).get_recurrent_state(layer))
+    _close(zeroed, internals.output_cache(step).get_recurrent_state(layer))
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -314,7 +314,7 @@ def test_a_decode_step_written_after_its_token(name: str) -> None:
     with step_replaced(name, hf, {layer: donor}):
         out = _forward(hf, token, cache, start=ids.shape[1])
     _close(got[:, -1], out.logits[:, -1], tol=1e-3)
-    _close(leaving, compat.output_cache(out).get_recurrent_state(layer))
+    _close(leaving, internals.output_cache(out).get_recurrent_state(layer))
     _close(leaving, donor)
 
 
@@ -336,7 +336,7 @@ def _scan_patched(name: str, hf: Any, layer: int, value: str) -> AbstractContext
             y = torch.zeros_like(out[0] if isinstance(out, tuple) else out)
             return (y, out[1]) if isinstance(out, tuple) else y
         return out
-    return kernel_patched(name, hf, ssd.SCAN_GLOBAL, scan)
+    return kernel_patched(name, hf, internals.SCAN_GLOBAL, scan)
 
 
 @pytest.mark.parametrize("name", SERVED)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang import kernels
-from deltalang.compat import cache_kwargs
+from deltalang.internals import cache_kwargs
 from deltalang.errors import DeltaValueError
 from deltalang.spec import text_config
 from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
@@ -330,7 +330,7 @@ def test_routed_and_default_kernels_agree(loaded: tuple) -> None:
 def test_uninstall_puts_back_the_import_time_functions() -> None:
     fam = deltalang.families.qwen3_5
     kernels.install(fam)
-    originals = {n: kernels.original(fam, n) for n in (fam.chunk_kernel, fam.recurrent_kernel)}
+    originals = {n: kernels.bound(fam, n) for n in (fam.chunk_kernel, fam.recurrent_kernel)}
     kernels.uninstall(fam)
     try:
         for name, fn in originals.items():

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang import kernels, mixer
-from deltalang.compat import cache_kwargs
+from deltalang.internals import cache_kwargs
 from deltalang.model import wrap_model
 from deltalang.spec import load_tokenizer
 from deltalang.testing import load_hf, tiny_checkpoint
@@ -298,23 +298,25 @@ def test_uninstall_restores_what_transformers_bound_and_leaves_other_families_al
     qwen, kimi = deltalang.families.qwen3_5, deltalang.families.kimi_linear
     kernels.install(qwen)
     kernels.install(kimi)
-    bound = {n: kernels.original(qwen, n) for n in _kernel_globals(qwen)}
+    bound = {n: kernels.bound(qwen, n) for n in _kernel_globals(qwen)}
     kimi_before = _kernel_globals(kimi)
     kernels.uninstall(qwen)
     try:
         assert all(_kernel_globals(qwen)[n] is fn for n, fn in bound.items())
+        # (5.25 binds `Func` modules whose class lives in the modeling module too)
         assert all(getattr(fn, "__module__", "") == qwen.module_name for fn in bound.values())
         assert all(_kernel_globals(kimi)[n] is fn for n, fn in kimi_before.items())
     finally:
         kernels.install(qwen)
-    assert all(kernels.original(qwen, n) is fn for n, fn in bound.items())
+    assert all(kernels.bound(qwen, n) is fn for n, fn in bound.items())
 
 
 def test_a_second_copy_of_the_kernels_module_finds_transformers_functions() -> None:
     """A reloaded deltalang.kernels (autoreload) installs over dispatchers: it must unwrap them."""
     fam = deltalang.families.qwen3_5
     kernels.install(fam)
-    bound = {n: kernels.original(fam, n) for n in _kernel_globals(fam)}
+    bound = {n: kernels.bound(fam, n) for n in _kernel_globals(fam)}
+    functions = {n: kernels.original(fam, n) for n in _kernel_globals(fam)}
     dispatchers = _kernel_globals(fam)
     spec = importlib.util.spec_from_file_location("deltalang._kernels_reloaded", kernels.__file__)
     assert spec is not None and spec.loader is not None
@@ -322,7 +324,8 @@ def test_a_second_copy_of_the_kernels_module_finds_transformers_functions() -> N
     spec.loader.exec_module(copy)
     copy.install(fam)
     try:
-        assert all(copy.original(fam, n) is fn for n, fn in bound.items())
+        assert all(copy.original(fam, n) is fn for n, fn in functions.items())
+        assert all(copy.bound(fam, n) is fn for n, fn in bound.items())
     finally:
         copy.uninstall(fam)
     assert all(_kernel_globals(fam)[n] is fn for n, fn in bound.items())

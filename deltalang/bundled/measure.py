@@ -1,6 +1,6 @@
 """Measurements of the bundled model, shared by `scripts/train_bundled.py` and the tests.
 
-Everything goes through plain transformers (no nnsight, no deltalang but `compat`'s cache keyword): the
+Everything goes through plain transformers (no nnsight, no deltalang but `internals`' cache keyword and cache reads): the
 memory-patching figures use transformers' own cache as the ground truth for
 what a DeltaNet block carries after a prefix.
 
@@ -19,7 +19,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..compat import cache_kwargs, output_cache
+from ..internals import cache as hf_cache
+from ..internals import cache_kwargs, output_cache
 from . import PATH, world
 
 MODES = ("none", "state", "whole")
@@ -139,9 +140,10 @@ def memory_patch(
         donor_ids = torch.tensor([_ids(tokenizer, d)[:n] for d in donors])
         donor_cache = _run_prefix(model, donor_ids)
         for i in linear_layers(model):
-            cache.get_recurrent_state(i).copy_(donor_cache.get_recurrent_state(i).expand_as(cache.get_recurrent_state(i)))
-            if mode == "whole":
-                cache.get_conv_state(i).copy_(donor_cache.get_conv_state(i).expand_as(cache.get_conv_state(i)))
+            for read in (hf_cache.recurrent_state, hf_cache.conv_state) if mode == "whole" else (hf_cache.recurrent_state,):
+                mine, theirs = read(cache, i), read(donor_cache, i)
+                assert mine is not None and theirs is not None, f"block {i} keeps no state in the cache"
+                mine.copy_(theirs.expand_as(mine))
     logits = model(ids[:, prefix_len:], **cache_kwargs(cache, model), use_cache=True).logits[:, -1].float()
     targets = torch.tensor([answer_id(tokenizer, a) for a in answers])
     return logits.softmax(-1).gather(1, targets[:, None])[:, 0]

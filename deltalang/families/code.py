@@ -1,8 +1,8 @@
 """Reading a transformers modeling file's syntax tree (nothing imported): what `families.analyse` needs.
 
 - `hub_names(tree)`: hub-kernel name -> the module function wrapped under it (its
-  `use_kernel_func_from_hub_with_fallback` decorator);
-- `mixer_class(tree, kernel)`: the class whose `forward` calls `kernel`;
+  decorator, `internals.HUB_DECORATOR`);
+- `mixer_class(tree, kernel)`: the class whose `forward` calls `kernel` (or a module function that does);
 - `mixer_paths(tree, mixer)`: the attribute paths blocks hold a mixer under, a block's own attribute first
   (`self.mamba = Mixer(...)`), then one level down (zamba2's hybrid block: `self.mamba_decoder = mamba`,
   a parameter annotated with the class holding the mixer): `("mamba", "mamba_decoder.mamba")`;
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+from .. import internals
 
 
 def name(node: ast.AST) -> str:
@@ -46,17 +48,30 @@ def hub_names(tree: ast.Module) -> dict[str, str]:
         if not isinstance(node, ast.FunctionDef):
             continue
         for dec in node.decorator_list:
-            if (isinstance(dec, ast.Call) and name(dec.func) == "use_kernel_func_from_hub_with_fallback"
+            if (isinstance(dec, ast.Call) and name(dec.func) == internals.HUB_DECORATOR
                     and dec.args and isinstance(dec.args[0], ast.Constant) and isinstance(dec.args[0].value, str)):
                 out[dec.args[0].value] = node.name
     return out
 
 
+def reaching(tree: ast.Module, kernel: str) -> set[str]:
+    """`kernel` and every module-level function that calls it, directly or through another such function
+    (transformers 5.25 calls its scan through `mamba2_scan_forward`, its conv through `causal_conv1d_forward`)."""
+    functions = {n.name: calls(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
+    found = {kernel}
+    while True:
+        more = {f for f, called in functions.items() if f not in found and called & found}
+        if not more:
+            return found
+        found |= more
+
+
 def mixer_class(tree: ast.Module, kernel: str) -> str | None:
-    """The class whose `forward` calls `kernel`."""
+    """The class whose `forward` calls `kernel`, or a module-level function that does (`reaching`)."""
+    names = reaching(tree, kernel)
     for cls in _classes(tree):
         forward = _method(cls, "forward")
-        if forward is not None and kernel in calls(forward):
+        if forward is not None and names & calls(forward):
             return cls.name
     return None
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DeltaValueError
+from ..internals import cache as hf_cache
 from .requests import Requests
 
 
@@ -87,10 +88,7 @@ class ConvWindows(Requests):
         return out
 
     def _store_conv_cache(self, x: torch.Tensor, width: int) -> None:
-        try:
-            buf = self.cache.get_conv_state(self.layer)
-        except (AttributeError, ValueError):
-            return
+        buf = hf_cache.conv_state(self.cache, self.layer)
         if buf is None:
             return
         tail = x[:, :, -width:]

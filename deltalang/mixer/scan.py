@@ -1,7 +1,7 @@
 """One Mamba-2 (SSD) scan call of a mixer: its values served beside it, the scan split where a write waits.
 
-The kernel dispatchers hand this transformers' `mamba2_chunk_scan` (a prompt) and
-`mamba2_selective_state_update` (a decode step, updating the cache's state in place) calls. A prompt serves
+The kernel dispatchers hand this the calls of transformers' prompt scan (`internals.SCAN_GLOBAL`) and decode step
+(`internals.STEP_GLOBAL`, updating the cache's state in place). A prompt serves
 the scan's inputs (`output_matrices` C, `input_matrices` B, `scan_inputs` x, `step_sizes`, `decay_rates` A),
 then `state_input`, reductions of `states` (`ssd.per_token_sq_norms`, `ssd.per_token_reduced`: the
 states never all made), `states` (`ssd.per_token`), `state_after(t)`, `head_outputs` and `state_output`. The scan

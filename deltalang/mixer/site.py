@@ -18,6 +18,8 @@ import torch
 from nnsight.intervention.interleaver import Interleaver
 
 from .. import deltarule, kernels
+from ..errors import DeltaValueError
+from ..internals import cache as hf_cache
 from .conv import ConvWindows
 from .scan import SSDCall
 from .state import DeltaRuleCall
@@ -69,6 +71,10 @@ class MixerSite(DeltaRuleCall, SSDCall, ConvWindows):
 
     def kernel(self, fn: Any, decode: bool, *args: Any, **kwargs: Any) -> Any:
         """One call of the mixer's kernel, by its mechanism: the delta rule's, or Mamba-2's scan (`scan`)."""
+        if hf_cache.recording(self.cache, self.layer):  # a prompt's last tokens then run one by one, as decode steps
+            raise DeltaValueError(f"L{self.layer}: the cache records its past states (transformers' "
+                                  f"activate_past_recording, as assisted decoding does); a trace that reads or writes "
+                                  f"a recurrent value needs a cache that does not record")
         if self.family.block_kind == "ssm":
             return self.ssd_kernel(fn, decode, *args, **kwargs)
         return DeltaRuleCall.kernel(self, fn, decode, *args, **kwargs)
@@ -85,7 +91,7 @@ class MixerSite(DeltaRuleCall, SSDCall, ConvWindows):
             self.pads = [int(x) for x in (mask.shape[1] - mask.to(torch.long).sum(dim=1)).tolist()]
         else:
             self.pads = None
-        self.cache = kwargs.get("cache", kwargs.get("cache_params", kwargs.get("past_key_values")))
+        self.cache = hf_cache.argument(kwargs)
         self.interleaver, self.path = self._route()
         self.running = True
         self._depth = kernels.enter(self)

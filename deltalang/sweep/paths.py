@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import families, gradients
-from ..compat import cache_kwargs
+from ..internals import cache_kwargs
 from ..ir import ResolvedMeasure
 from ..model import DeltaModel, decoder_layers
 from .job import measure_label

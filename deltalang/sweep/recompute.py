@@ -4,17 +4,16 @@ A cell writing block L at position t changes nothing before block L or position 
 the clean prompt once, keeping the residual stream entering every block, each block's call arguments,
 the attention keys and values, and each recurrent (delta-rule or Mamba-2) block's state and window after
 t-1 for every start t asked. `run_rows` recomputes rows (cells) from their start block at positions start..
-over a cache of the clean prefix (`_prefix_cache`: each block's layer as the clean run's was, `CacheOf`),
+over a cache of the clean prefix (`_prefix_cache`: each block's layer as the clean run's was, `internals.cache`),
 each row's write applied inside the kernel call (`MixerSite.direct`); the LM head runs at the last
 position only; `continuation_start` says where a cell's continuation starts. With `continuation`, the only sweep
-modules touching transformers' cache internals and `model._module` (`device_of`, `dtype_of`, ... answer
+modules touching `model._module`, transformers' cache through `internals.cache` (`device_of`, `dtype_of`, ... answer
 the others).
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -22,7 +21,10 @@ import attrs
 import torch
 
 from .. import values
-from ..compat import cache_keyword, cache_kwargs
+from ..internals import cache as hf_cache
+from ..internals import cache_keyword, cache_kwargs
+from ..internals.cache import (ATTENTION_LAYOUT, HYBRID_LAYOUT, LINEAR_LAYOUT, NO_CACHE_LAYOUT, CacheOf,
+                               CacheUnsupported)
 from ..model import DeltaModel, decoder
 from . import continuation
 from .errors import Unsupported
@@ -41,16 +43,7 @@ class Capture:
     caches: dict[int, CacheOf] = attrs.field(factory=dict)  # block -> what else its cache layer held
     threaded: dict[int, dict[str, int]] = attrs.field(factory=dict)  # block -> {kwarg: item of the last output}
     full_positions: bool = False  # the model keeps a position history in the cache: position embeddings whole
-    layouts: dict[int, str] = attrs.field(factory=dict)  # block -> what its cache layer holds (`_layout`)
-
-
-@attrs.define
-class CacheOf:
-    """What a block's cache layer held after the clean run besides keys/values, states and windows."""
-
-    indexer: torch.Tensor | None = None  # an indexer's keys [1, s, ...] (`update_indexer`)
-    states: int = 1  # a linear-attention layer's number of conv/recurrent states
-    extra: dict[int, tuple[torch.Tensor, int]] = attrs.field(factory=dict)  # state_idx >= 1 -> (input [.., s], width)
+    layouts: dict[int, str] = attrs.field(factory=dict)  # block -> what its cache layer holds (`internals.cache.layout`)
 
 
 def capture_clean(model: DeltaModel, text: str, first_block: int, reads: Mapping[int, set[tuple[str, int | None]]]
@@ -85,14 +78,12 @@ T = TypeVar("T")
 
 def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any], T]) -> tuple[T, Capture]:
     """What `forward(cache)` leaves for `run_rows`, no values: `forward` is one forward of the clean prompt
-    through the model given a fresh transformers cache (`**compat.cache_kwargs(cache, model), use_cache=True`),
+    through the model given a fresh transformers cache (`**internals.cache_kwargs(cache, model), use_cache=True`),
     with or without gradients (what is kept is detached): the residual stream entering blocks first_block.. and
     their call arguments by name (forward pre-hooks; positional ones bound to the block's parameters,
     `continuation.named`), which of them the previous block's output hands on (`threaded`),
     the attention blocks' keys and values (a sliding window's cache told to keep them all) and indexer keys,
     and the inputs of any further convolution state a linear-attention layer keeps (`CacheOf`)."""
-    from transformers import DynamicCache
-
     hf = model._module
     layers = decoder(hf).layers
     inputs: dict[int, torch.Tensor] = {}
@@ -121,8 +112,8 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
     hooks = [layers[i].register_forward_pre_hook(recorder(i), with_kwargs=True)
              for i in range(first_block, len(layers))]
     hooks += [layer.register_forward_hook(output) for layer in layers]
-    cache = DynamicCache(config=hf.config)
-    caches = _watch(cache)
+    cache = hf_cache.fresh(hf.config)
+    caches = hf_cache.watch(cache)
     try:
         result = forward(cache)
     finally:
@@ -131,61 +122,24 @@ def capture_forward(model: DeltaModel, first_block: int, forward: Callable[[Any]
     if refused:
         raise Unsupported(refused[0])
     kv = {}
-    layouts = {i: _layout(layer) for i, layer in enumerate(cache.layers)}
+    layouts = {i: hf_cache.layout(layer) for i, layer in enumerate(cache.layers)}
     for i in range(len(layers)):  # every attention block: masks are sized by the first one's cache
         if layouts.get(i) in (ATTENTION_LAYOUT, HYBRID_LAYOUT):
             layer: Any = cache.layers[i]
-            if getattr(layer, "keys", None) is None:
+            keys = hf_cache.keys_of(layer)
+            if keys is None:
                 raise Unsupported(f"block {i}'s cache holds no keys ({type(layer).__name__})")
-            kv[i] = (layer.keys.detach(), layer.values.detach())
-            if getattr(layer, "indexer_keys", None) is not None:
-                caches.setdefault(i, CacheOf()).indexer = layer.indexer_keys.detach()
+            kv[i] = keys
+            indexer = hf_cache.indexer_keys(layer)
+            if indexer is not None:
+                caches.setdefault(i, CacheOf()).indexer = indexer
     missing = [i for i in range(first_block, len(layers))
                if i not in inputs or cache_keyword(layers[i]) not in kwargs[i]]
     if missing:
         raise Unsupported(f"blocks {missing} were not called with a cache")
     seq_len = int(next(iter(inputs.values())).shape[1])
-    history = any(getattr(layer, "indexer_position_ids", None) is not None for layer in cache.layers)
+    history = hf_cache.keeps_positions(cache)
     return result, Capture(seq_len, inputs, kwargs, kv, {}, caches, threaded, history, layouts)
-
-
-ATTENTION_LAYOUT, LINEAR_LAYOUT, HYBRID_LAYOUT, NO_CACHE_LAYOUT = "attention", "linear", "hybrid", "none"
-
-
-def _layout(layer: Any) -> str:
-    """What a block's cache layer holds: keys and values (`attention`), a recurrent state and windows
-    (`linear`), both (`hybrid`: falcon_h1's blocks run attention and a Mamba-2 mixer), or nothing (`none`:
-    transformers' `DummyLayer` of an MLP-only block, nemotron_h's `mlp` and `moe`)."""
-    from transformers import cache_utils
-
-    dummy = getattr(cache_utils, "DummyLayer", None)
-    if dummy is not None and isinstance(layer, dummy):
-        return NO_CACHE_LAYOUT
-    if isinstance(layer, cache_utils.LinearAttentionCacheLayerMixin):
-        return HYBRID_LAYOUT if isinstance(layer, cache_utils.CacheLayerMixin) else LINEAR_LAYOUT
-    return ATTENTION_LAYOUT
-
-
-def _watch(cache: Any) -> dict[int, CacheOf]:
-    """Keep every key of a sliding window's cache layer, and record each linear-attention layer's further
-    convolution states (state_idx >= 1: their whole input and width) as the forward updates them."""
-    out: dict[int, CacheOf] = {}
-    for i, layer in enumerate(cache.layers):
-        if getattr(layer, "is_sliding", False) and hasattr(layer, "activate_past_recording"):
-            layer.activate_past_recording()  # the same keys returned; all of them kept
-        states = getattr(layer, "number_of_states", None)
-        if states is None:
-            continue
-        mine = out.setdefault(i, CacheOf(states=states))
-
-        def update(conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
-                   _orig: Any = layer.update_conv_state, _mine: CacheOf = mine, **kw: Any) -> torch.Tensor:
-            got = _orig(conv_states, state_idx=state_idx, conv_kernel_size=conv_kernel_size, **kw)
-            if state_idx:
-                _mine.extra[state_idx] = (conv_states.detach(), int(conv_kernel_size or conv_states.shape[-1]))
-            return got
-        layer.update_conv_state = update
-    return out
 
 
 def _detached(v: Any) -> Any:
@@ -216,128 +170,33 @@ def continuation_start(model: DeltaModel, seq_len: int, t: int) -> int:
     return t
 
 
-def _frozen_attention(keys: torch.Tensor, vals: torch.Tensor, held: CacheOf | None, start: int, rows: int,
-                      layer: Any = None) -> Any:
-    """An attention block's cache layer holding the clean prefix [0, start) for `rows` rows: a plain
-    `DynamicLayer` (a sliding window's mask is made over all the prefix's keys), a `DynamicIndexedLayer`
-    where the block's indexer keeps keys; or `layer` (a hybrid block's) given those keys. Fresh for each
-    call, so it stores what the call adds as usual."""
-    from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
-
-    def cut(x: torch.Tensor, axis: int) -> torch.Tensor:
-        x = x.narrow(axis, 0, start)
-        return x.expand(rows, *x.shape[1:])
-
-    indexer = held.indexer if held is not None else None
-    if layer is None:
-        layer = DynamicLayer() if indexer is None else DynamicIndexedLayer()
-    layer.keys, layer.values = cut(keys, -2), cut(vals, -2)
-    layer.is_initialized, layer.device = True, keys.device
-    if indexer is not None:
-        layer.indexer_keys = cut(indexer, 1)
-        layer.is_indexer_initialized = True
-        layer.indexer_dtype, layer.indexer_device = indexer.dtype, indexer.device
-    return layer
-
-
-@functools.lru_cache(maxsize=None)
-def _frozen_class(base: type) -> type:
-    """`base` (transformers' linear-attention cache layer, or its hybrid with full attention) holding the
-    state and windows after the prefix: a continuation reads them and never overwrites them, and the call's
-    final state is recorded (`final`) instead of stored."""
-
-    class FrozenLinearLayer(base):  # type: ignore[misc, valid-type]
-        final: torch.Tensor | None = None
-        width: int = 4
-
-        def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0,
-                              conv_kernel_size: int | None = None, **kw: Any) -> torch.Tensor:
-            if not self.has_previous_state[state_idx]:
-                wide = self.width if state_idx == 0 else int(conv_kernel_size or conv_states.shape[-1])
-                short = wide - conv_states.shape[-1]
-                return torch.nn.functional.pad(conv_states, (short, 0)) if short > 0 else conv_states
-            cached: Any = self.conv_states[state_idx]
-            return torch.cat([cached, conv_states], dim=-1)
-
-        def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0,
-                                   **kw: Any) -> torch.Tensor:
-            self.final = recurrent_states
-            return recurrent_states
-
-    return FrozenLinearLayer
-
-
-class _FrozenLinear:
-    """Builds a recurrent block's cache layer holding the state and conv windows after the prefix."""
-
-    @staticmethod
-    def make(window: torch.Tensor | None, state: torch.Tensor | None, width: int, rows: int,
-             held: CacheOf | None = None, start: int = 0, hybrid: bool = False, in_place: bool = False) -> Any:
-        """`hybrid`: the layer of a block with attention too (its keys set by `_frozen_attention`);
-        `in_place`: the call updates the state in place (transformers' Mamba-2 decode step, one token after
-        the prefix): the rows get their own copy, which is then also the call's final state."""
-        from transformers import cache_utils
-
-        base = cache_utils.LinearAttentionAndFullAttentionLayer if hybrid else cache_utils.LinearAttentionLayer
-        layer: Any = _frozen_class(base)(number_of_states=held.states if held is not None else 1)
-        layer.width = width
-        layer.conv_kernel_size[0] = width
-        if window is not None and state is not None:
-            # the cache keeps `width` columns; the first is never read by a continuation
-            conv = torch.cat([torch.zeros_like(window[..., :1]), window], dim=-1)
-            layer.conv_states[0] = conv.expand(rows, *conv.shape[1:]).clone()  # a decode step updates it in place
-            layer.recurrent_states[0] = state.expand(rows, *state.shape[1:])
-            if in_place:
-                layer.recurrent_states[0] = layer.final = layer.recurrent_states[0].clone()
-            layer.has_previous_state[0] = True
-            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
-            layer.device, layer.dtype = window.device, window.dtype
-            for idx, (x, wide) in (held.extra.items() if held is not None else ()):
-                layer.conv_states[idx] = _extra_state(x, wide, start).expand(rows, *x.shape[1:-1], wide)
-                layer.conv_kernel_size[idx] = wide
-                layer.has_previous_state[idx] = layer.is_conv_states_initialized[idx] = True
-        return layer
-
-
-def _extra_state(x: torch.Tensor, wide: int, start: int) -> torch.Tensor:
-    """A further convolution state after the prefix [0, start): the last `wide` columns of its input there,
-    as the cache keeps them (zero-filled on the left after fewer tokens)."""
-    if start >= wide:
-        return x[..., start - wide:start]
-    if x.is_floating_point():
-        return torch.nn.functional.pad(x[..., :start], (wide - start, 0))
-    raise Unsupported(f"a cache state of token ids {wide} wide after only {start} tokens: the model's own code "
-                      "pads so short a prefix itself")
-
-
 def _prefix_cache(model: DeltaModel, cap: Capture, start: int) -> Any:
     """A transformers cache of the clean prefix [0, start), one row per block (resized per call)."""
-    from transformers.cache_utils import Cache
-
-    return Cache(layers=[_prefix_layer(model, cap, i, start, 1) for i in range(model.spec.num_layers)])
+    return hf_cache.of_layers([_prefix_layer(model, cap, i, start, 1) for i in range(model.spec.num_layers)])
 
 
 def _prefix_layer(model: DeltaModel, cap: Capture, i: int, start: int, rows: int) -> Any:
     """Block i's cache layer of the clean prefix [0, start) for `rows` rows, as its cache layer was
-    (`Capture.layouts`): keys and values, state and windows, both, or transformers' empty `DummyLayer`."""
+    (`Capture.layouts`, `internals.cache.layout`): keys and values, state and windows, both, or transformers' empty `DummyLayer`."""
     held = cap.caches.get(i)
     layout = cap.layouts.get(i, ATTENTION_LAYOUT if model.spec.kind(i) == values.ATTENTION else LINEAR_LAYOUT)
     if layout == NO_CACHE_LAYOUT:
-        from transformers.cache_utils import DummyLayer
-
-        return DummyLayer()
+        return hf_cache.empty_layer()
     if layout == ATTENTION_LAYOUT:
         keys, vals = cap.kv[i]
-        return _frozen_attention(keys, vals, held, start, rows)
+        return hf_cache.frozen_attention(keys, vals, held, start, rows)
     width = model.spec.dims.get("conv_width", 4)
     hybrid = layout == HYBRID_LAYOUT
-    if start == 0 or ("state_after", i, start - 1) not in cap.values:
-        layer = _FrozenLinear.make(None, None, width, rows, held, start, hybrid)
-    else:
-        layer = _FrozenLinear.make(cap.values[("conv_window_after", i, start - 1)][0:1],
-                                   cap.values[("state_after", i, start - 1)][0:1], width, rows, held, start, hybrid,
-                                   in_place=model.spec.kind(i) == values.SSM and start == cap.seq_len - 1)
-    return _frozen_attention(*cap.kv[i], held, start, rows, layer) if hybrid else layer
+    try:
+        if start == 0 or ("state_after", i, start - 1) not in cap.values:
+            layer = hf_cache.frozen_linear(None, None, width, rows, held, start, hybrid)
+        else:
+            layer = hf_cache.frozen_linear(cap.values[("conv_window_after", i, start - 1)][0:1],
+                                           cap.values[("state_after", i, start - 1)][0:1], width, rows, held, start,
+                                           hybrid, in_place=model.spec.kind(i) == values.SSM and start == cap.seq_len - 1)
+    except CacheUnsupported as e:
+        raise Unsupported(str(e)) from None
+    return hf_cache.frozen_attention(*cap.kv[i], held, start, rows, layer) if hybrid else layer
 
 
 def _resize(model: DeltaModel, cache: Any, cap: Capture, i: int, start: int, rows: int) -> None:
