@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import attrs
 import torch
 
+from . import internals
 from .errors import DeltaValueError
 
 MODES = ("auto", "reference", "compiled")
@@ -66,23 +67,19 @@ class Backend:
 
 def of(fn: Callable[..., Any]) -> Backend:
     """Read what a kernel global runs (see the module docstring for the forms it knows)."""
-    f: Any = fn
-    seen = 0
-    while f is not None and seen < 16:  # the chain of wrappers, outermost first
-        closure = _closure(f)
-        if "implementation" in closure and "torch_function" in closure:
-            impl, ref = closure["implementation"], closure["torch_function"]
-            package, func = closure.get("package"), closure.get("func_name")
-            if impl is ref or not callable(impl):
-                tried = (package, func) if isinstance(package, str) and isinstance(func, str) else None
-                return Backend(fn, ref, None, "", tried)
-            name = func or getattr(impl, "__name__", "implementation")
-            label = f"{package} {name}" if isinstance(package, str) else _where(impl)
-            if (package, name) == ("fla", "chunk_gated_delta_rule") and flash_qla_version():
-                return Backend(fn, ref, _without_flash_qla(fn), label, handoff=FLASH_QLA)
-            return Backend(fn, ref, fn, label)
-        f = getattr(f, "__wrapped__", None)
-        seen += 1
+    fn = internals.kernel_function(fn)  # 5.25: a `Func` module calling the function
+    w = internals.hub.wrapper(fn)
+    if w is not None:
+        impl, ref = w.implementation, w.torch_function
+        if impl is ref or not callable(impl):
+            tried = (w.package, w.func_name) if w.package is not None and w.func_name is not None else None
+            return Backend(fn, ref, None, "", tried)
+        name = w.func_name or getattr(impl, "__name__", "implementation")
+        label = f"{w.package} {name}" if w.package is not None else _where(impl)
+        compiled = internals.hub.direct(w)  # not through the wrapper: 5.25's sends a CPU's inputs to torch
+        if (w.package, name) == ("fla", "chunk_gated_delta_rule") and flash_qla_version():
+            return Backend(fn, ref, _without_flash_qla(compiled), label, handoff=FLASH_QLA)
+        return Backend(fn, ref, compiled, label)
     inner = _innermost(fn)
     if inner is fn:
         if _is_transformers_torch(fn):
@@ -91,19 +88,6 @@ def of(fn: Callable[..., Any]) -> Backend:
     if _is_transformers_torch(inner):
         return Backend(fn, inner, fn, f"{_where(fn)} (a wrapper of unknown form)")
     return Backend(fn, None, fn, _where(fn))
-
-
-def _closure(f: Any) -> dict[str, Any]:
-    code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None)
-    if code is None or not cells:
-        return {}
-    out = {}
-    for name, cell in zip(code.co_freevars, cells):
-        try:
-            out[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            pass
-    return out
 
 
 def _innermost(fn: Any) -> Any:
@@ -198,11 +182,7 @@ def not_bound(b: Backend) -> str:
 
 def _import_error(package: str, func: str) -> str:
     """Import `func` as transformers does (the package, then its internal module); why it fails, in words."""
-    try:
-        from transformers.integrations import hub_kernels
-        internal = getattr(hub_kernels, "_KERNELS_INTERNAL_PATH_MAPPINGS", {}).get(func)
-    except Exception:  # noqa: BLE001  (transformers' internals moved: import the package alone)
-        internal = None
+    internal = internals.hub.internal_path(func)
     module = f"{package}.{internal}" if internal else package
     try:
         found = getattr(importlib.import_module(module), func, None)

@@ -125,7 +125,11 @@ def _copy_family(tmp_path: Path, source: str, new: str, drop: str | None = None)
                                                                       f"from {new}.configuration_{new} import")
         text = text.replace(old_cls, new_cls).replace(source, new)
         if drop is not None:  # a module that does not show one of its kernels
-            text = text.replace(f'@use_kernel_func_from_hub_with_fallback("{drop}", "fla")\n', "")
+            decorator = f'@use_kernel_func_from_hub_with_fallback("{drop}", "fla")\n'
+            hidden = re.search(re.escape(decorator) + r"def (\w+)", text)
+            text = text.replace(decorator, "")
+            if hidden is not None:  # 5.25 lists the kernels on the mixer (`use_kernelized_func`), which checks them
+                text = re.sub(r"(@use_kernelized_func\(\s*\[[^\]]*?)\s+" + hidden.group(1) + r",", r"\1", text)
         (pkg / f"{kind}_{new}.py").write_text(text)
     sys.path.insert(0, str(tmp_path))
     return new_cls

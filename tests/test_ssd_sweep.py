@@ -236,10 +236,12 @@ def test_a_cell_does_not_depend_on_the_cells_beside_it(name: str, monkeypatch: p
 
 
 def _clamping_nemotron_h(path: Path) -> Path:
-    """The tiny nemotron_h with `time_step_min` 0.5: its prompt scan clamps small step sizes, its decode step not."""
+    """The tiny nemotron_h whose prompt scan clamps small step sizes to 0.5, its decode step not: `time_step_min`
+    sets the scan's limit before 5.25, `time_step_limit` from 5.25 on (a config field of its own there)."""
     shutil.copytree(testing_ssd.tiny_ssd_checkpoint("nemotron_h"), path)
     config = json.loads((path / "config.json").read_text())
     config["time_step_min"] = 0.5
+    config["time_step_limit"] = [0.5, 1e30]
     (path / "config.json").write_text(json.dumps(config))
     return path
 

@@ -1,7 +1,7 @@
 """transformers' internals deltalang stands on: the one place that knows them, one adapter per era.
 
 Every name deltalang reads or calls inside transformers beyond its public API is asked here: the form of a kernel
-global (`kernel_function`), the decorator a modeling file wraps kernels with (`HUB_DECORATOR`), the Mamba-2 scan's
+global (`kernel_function`), the decorator a modeling file wraps kernels with and what it holds (`hub`), the Mamba-2 scan's
 module globals (`SCAN_GLOBAL`, `STEP_GLOBAL`), the keyword a forward takes its cache under (`cache_keyword`,
 `cache_kwargs`, `output_cache`), and the cache's classes and attributes (`cache`). The adapter of the installed
 release's era (`eras.era()`: `v5_21` for 5.21-5.23, `v5_24`, `v5_25`) answers what differs. A release whose internals
@@ -14,12 +14,11 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from . import cache
+from . import cache, hub
 from .cache import KEYWORDS
 from .eras import ERAS, era, era_of
+from .hub import HUB_DECORATOR
 
-# the decorator a modeling file binds a kernel global with: `@use_kernel_func_from_hub_with_fallback("hub name", ...)`
-HUB_DECORATOR = "use_kernel_func_from_hub_with_fallback"
 # the module globals of the six Mamba-2 modeling modules' prompt scan and decode step (hub names in the note)
 SCAN_GLOBAL = "mamba2_chunk_scan"  # "mamba_chunk_scan_combined" (mamba_ssm)
 STEP_GLOBAL = "mamba2_selective_state_update"  # "selective_state_update" (mamba_ssm)
@@ -74,5 +73,5 @@ def _keyword_of(fn: Callable[..., Any]) -> str | None:
     return next((name for name in KEYWORDS if name in params), None)
 
 
-__all__ = ["ERAS", "HUB_DECORATOR", "SCAN_GLOBAL", "STEP_GLOBAL", "cache", "cache_keyword", "cache_kwargs", "era",
+__all__ = ["ERAS", "HUB_DECORATOR", "SCAN_GLOBAL", "STEP_GLOBAL", "cache", "hub", "cache_keyword", "cache_kwargs", "era",
            "era_of", "kernel_function", "output_cache"]
