@@ -28,14 +28,19 @@ class Wrapper:
     package: str | None
     func_name: str | None
     params: tuple[str, ...] | None  # the implementation's parameters (None: not recorded, pass every keyword)
+    cell: Any = None  # the closure's cell holding the implementation (read at each call, as the wrapper does)
 
 
-def _closure(f: Any) -> dict[str, Any]:
+def _cells(f: Any) -> dict[str, Any]:
     code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None)
     if code is None or not cells:
         return {}
+    return dict(zip(code.co_freevars, cells))
+
+
+def _closure(f: Any) -> dict[str, Any]:
     out = {}
-    for name, cell in zip(code.co_freevars, cells):
+    for name, cell in _cells(f).items():
         try:
             out[name] = cell.cell_contents
         except ValueError:  # an empty cell
@@ -55,20 +60,20 @@ def wrapper(fn: Callable[..., Any]) -> Wrapper | None:
             params = closure.get("applicable_params")
             return Wrapper(f, closure["implementation"], closure["torch_function"],
                            package if isinstance(package, str) else None, func if isinstance(func, str) else None,
-                           tuple(params) if isinstance(params, tuple) else None)
+                           tuple(params) if isinstance(params, tuple) else None, _cells(f)["implementation"])
         f = getattr(f, "__wrapped__", None)
     return None
 
 
 def direct(w: Wrapper) -> Callable[..., Any]:
     """The implementation called as the wrapper calls it, whatever the device of the inputs."""
-    impl, params = w.implementation, w.params
+    cell, params = w.cell, w.params
 
     @functools.wraps(w.fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         if params is not None:
             kwargs = {k: v for k, v in kwargs.items() if k in params}
-        return impl(*args, **kwargs)
+        return cell.cell_contents(*args, **kwargs)
 
     return run
 
