@@ -35,7 +35,8 @@ For Mamba-2 (SSD) blocks the tests build their truth from the same pieces, kept 
 `cache_after` (its cache after tokens 0..t), `kernel_patched` (a kernel global of the family's modeling module,
 the scan `internals.SCAN_GLOBAL`, the decode step `internals.STEP_GLOBAL` or the convolution, called through a wrapper
 told which Mamba-2 mixer runs: `mixer_running`, `kernel_global`) and `step_replaced` (a one-token step whose
-state update ends in a written state, which the token reads: y = h C + D x).
+state update ends in a written state, which the token reads: y = h C + D x); `states_written` is the state
+after every token of a prompt run token by token with such steps at the written positions.
 """
 
 from __future__ import annotations
@@ -378,6 +379,44 @@ def step_replaced(name: str, hf: Any, new: dict[int, torch.Tensor]) -> Iterator[
         return step
     with mixer_running(hf) as current, kernel_global(name, internals.STEP_GLOBAL, make):
         yield
+
+
+def states_written(name: str, hf: Any, ids: torch.Tensor, writes: dict[int, dict[int, torch.Tensor]],
+                   layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """Per layer of `layers`, transformers' recurrent state after every token of `ids` `[1, s, h, P, N]` float32,
+    the prompt run token by token with its cache and, at each position t of `writes`, token t a one-token step
+    whose state update ends in `writes[t][layer]` for each of its layers (`step_replaced`: token t reads it). The
+    state after the last token is also checked against the rest of the prompt run as one forward from the cache
+    after the last write (the prompt's tail continued from that cache, not token by token)."""
+    per: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+    cache, tail = None, None
+    last = max(writes, default=-1)
+    for u in range(ids.shape[1]):
+        if u in writes:
+            with step_replaced(name, hf, writes[u]):
+                out = hf_forward(hf, ids[:, u:u + 1], cache, start=u)
+        else:
+            out = hf_forward(hf, ids[:, u:u + 1], cache, start=u)
+        cache = output_cache(out)
+        for i in layers:
+            per[i].append(cache.get_recurrent_state(i).float().clone())
+        if u == last and u + 1 < ids.shape[1]:  # the tail in one forward, from a cache built the same way again
+            tail = _tail_after(name, hf, ids, writes, u)
+    if tail is not None:
+        for i in layers:
+            err = float((tail.get_recurrent_state(i).float() - per[i][-1]).abs().max())
+            assert err <= 2e-4 * max(1.0, float(per[i][-1].abs().max())), f"the tail in one forward differs: {err}"
+    return {i: torch.stack(v, dim=1) for i, v in per.items()}
+
+
+def _tail_after(name: str, hf: Any, ids: torch.Tensor, writes: dict[int, dict[int, torch.Tensor]], t: int) -> Any:
+    """transformers' cache after the whole prompt: tokens up to t as `states_written` runs them, then the rest of
+    the prompt in one forward."""
+    cache = None
+    for u in range(t + 1):
+        with step_replaced(name, hf, writes.get(u, {})):
+            cache = output_cache(hf_forward(hf, ids[:, u:u + 1], cache, start=u))
+    return output_cache(hf_forward(hf, ids[:, t + 1:], cache, start=t + 1))
 
 
 class Largest(TorchDispatchMode):

@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
-from reference import cache_after
+from reference import cache_after, states_written
 
 import deltalang
 from deltalang.bundled import MAMBA2_NAME, MAMBA2_PATH, MODELS, NAME, measure, world
@@ -145,3 +146,30 @@ def test_the_causal_trace_example_runs_its_grid(model: deltalang.DeltaModel) -> 
         corrupt = float(probs[measure.answer_id(tok, record["answer"])] - probs[measure.answer_id(tok, record["foil"])])
         cells = [out.values("memory", {"L": lab, "t": "facts.subject + 1"}, MEASURE)[i] for lab in ssm]
         assert max(cells) > corrupt + 1.0, (i, cells, corrupt)
+
+
+def test_the_cli_reads_the_states_of_a_written_run(tmp_path: Path, model: deltalang.DeltaModel) -> None:
+    """`deltalang run --model` the bundled Mamba-2 model, a trace that writes L1's state after token 5 from another
+    prompt and reads L1's states (whole and `.norm(d_state)`): exit 0, and the states are those of transformers'
+    run token by token with token 5's state update replaced by the other prompt's state after token 5."""
+    from transformers import AutoModelForCausalLM
+
+    clean, other = RECORDS[0]["prompt"], RECORDS[1]["prompt"]
+    program = tmp_path / "written.dl"
+    program.write_text(f'prompt clean = "{clean}"\nprompt other = "{other}"\n'
+                       "trace w on clean { write L1.state_after(5) from other; read L1.states as st; "
+                       "read L1.states.norm(d_state) as n }\n")
+    assert main(["run", str(program), "--model", MAMBA2_NAME, "--out", str(tmp_path / "out")]) == 0
+    got = safetensors.torch.load_file(str(tmp_path / "out" / "results.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(MAMBA2_PATH).eval()  # plain transformers, no deltalang site
+    tok = model.spec.tokenizer
+    ids = tok(clean, return_tensors="pt").input_ids
+    assert ids.shape[1] > 6
+    donor = cache_after(hf, tok(other, return_tensors="pt").input_ids, 5).get_recurrent_state(1).clone()
+    want = states_written("granitemoehybrid", hf, ids, {5: {1: donor}}, (1,))[1]
+    scale = float(want.abs().max())
+    assert float((got["st"] - want).abs().max()) <= 2e-4 * scale
+    norms = torch.linalg.vector_norm(want, dim=-1)
+    assert float((got["n"] - norms).abs().max()) <= 2e-4 * float(norms.max())
+    plain = cache_after(hf, ids, ids.shape[1] - 1).get_recurrent_state(1)
+    assert float((plain - want[:, -1]).abs().max()) > 100 * float((got["st"] - want).abs().max())

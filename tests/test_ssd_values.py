@@ -19,7 +19,7 @@ import pytest
 import torch
 from reference import cache_after as _cache_after
 from reference import hf_forward as _forward
-from reference import kernel_patched, step_replaced
+from reference import kernel_patched, states_written, step_replaced
 
 import deltalang
 from deltalang import internals, testing_ssd
@@ -157,6 +157,86 @@ def test_a_read_after_a_write_sees_the_written_state(name: str) -> None:
     _close(later, want)
     clean = _cache_after(hf, ids, 6).get_recurrent_state(layer)
     assert float((clean - want).abs().max()) > 100 * float((later - want).abs().max())  # the write shows
+
+
+def _shape(model: Any) -> tuple[int, ...]:
+    return (1, *[model.spec.dims[k] for k in ("heads", "head_dim", "d_state")])
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_states_after_a_write_are_the_written_runs(name: str) -> None:
+    """`states_as_run` of a block whose state after t is written: the states of transformers' prompt run token by
+    token, token t's state update replaced by the written state (`reference.states_written`): before t the clean
+    ones, at t the written one, after it continued from it; a later block's states continue the written run too.
+    Two writes in one block (zeros after 3, a donor after 9, past the chunk of 8) compose the same way."""
+    model, hf = _models(name)
+    ids = _ids()
+    layers = _ssm(hf)
+    first, last = layers[0], layers[-1]
+    donor = _cache_after(hf, _ids(seed=7), 9).get_recurrent_state(first).clone()
+    with torch.no_grad(), model.trace(ids):
+        model.layers[first].linear_attn.set_state_after(5, donor)
+        got_first = model.layers[first].linear_attn.states_as_run.save()
+        got_last = model.layers[last].linear_attn.states_as_run.save()
+    got = {first: got_first, last: got_last}
+    want = states_written(name, hf, ids, {5: {first: donor}}, (first, last))
+    clean = _cache_after(hf, ids, 8).get_recurrent_state(first)
+    for i in (first, last):
+        assert got[i].shape == want[i].shape == (1, ids.shape[1], *_shape(model)[1:])
+        _close(got[i], want[i])
+    assert float((clean - want[first][:, 8]).abs().max()) > 100 * float((got[first] - want[first]).abs().max())
+    assert torch.equal(got[first][:, 5], donor.float())  # the written state itself
+    with torch.no_grad(), model.trace(ids):
+        mixer = model.layers[last].linear_attn
+        mixer.set_state_after(3, torch.zeros(_shape(model)))
+        mixer.set_state_after(9, donor)
+        two = mixer.states_as_run.save()
+    _close(two, states_written(name, hf, ids, {3: {last: torch.zeros(_shape(model))}, 9: {last: donor}}, (last,))[last])
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_a_program_reads_the_states_of_its_written_run(name: str) -> None:
+    """Through the language: `write L.state_after(5) from other` with `read L.states` (whole and reduced) in the
+    same trace reads the states of the written run (docs/language.md), against transformers' run token by token
+    with token 5's state update replaced by the other prompt's state after 5."""
+    model, hf = _models(name)
+    layer = _ssm(hf)[0]
+    clean, other = "The tower of London is old", "A cat sat on the mat today"
+    text = (f'prompt clean = "{clean}"\nprompt other = "{other}"\ntrace w on clean {{\n'
+            f"    write L{layer}.state_after(5) from other\n"
+            f"    read L{layer}.states as st\n    read L{layer}.states.norm(d_state) as n\n"
+            f"    read L{layer}.states.mean(positions) as m\n    read L{layer}.states.head(1).norm() as h\n}}\n")
+    res = deltalang.run(text, model=model)
+    ids = model.tokenizer(clean, return_tensors="pt")["input_ids"]
+    donor = _cache_after(hf, model.tokenizer(other, return_tensors="pt")["input_ids"], 5).get_recurrent_state(layer)
+    want = states_written(name, hf, ids, {5: {layer: donor.clone()}}, (layer,))[layer]
+    _close(torch.as_tensor(res["st"]), want)
+    _close(torch.as_tensor(res["n"]), torch.linalg.vector_norm(want, dim=-1))
+    _close(torch.as_tensor(res["m"]), want.mean(dim=1))
+    _close(torch.as_tensor(res["h"]), torch.linalg.vector_norm(want[:, :, 1].flatten(2), dim=-1))
+    plain = _cache_after(hf, ids, ids.shape[1] - 1).get_recurrent_state(layer)
+    assert float((plain - want[:, -1]).abs().max()) > 100 * float((torch.as_tensor(res["st"]) - want).abs().max())
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_a_decode_steps_states_after_its_write(name: str) -> None:
+    """At a decode step, `states_as_run` after `set_state_after(-1, donor)` is its one token's written state,
+    `[b, 1, heads, head_dim, d_state]`: transformers' cache after that step with its state update replaced."""
+    model, hf = _models(name)
+    ids = _ids(8)
+    layer = _ssm(hf)[0]
+    donor = _cache_after(hf, _ids(seed=11), 6).get_recurrent_state(layer).clone()
+    with torch.no_grad(), model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False) as tracer:
+        for step in tracer.iter[1]:
+            model.layers[layer].linear_attn.set_state_after(-1, donor)
+            got = model.layers[layer].linear_attn.states_as_run.save()
+    logits = _forward(hf, ids).logits[:, -1].clone()
+    logits[:, hf.config.eos_token_id] = -float("inf")
+    cache = _cache_after(hf, ids, ids.shape[1] - 1)
+    with step_replaced(name, hf, {layer: donor}):
+        out = _forward(hf, logits.argmax(-1, keepdim=True), cache, start=ids.shape[1])
+    assert got.shape == (1, 1, *_shape(model)[1:])
+    _close(got[:, 0], internals.output_cache(out).get_recurrent_state(layer))
 
 
 def test_ssm_and_linear_selectors_on_granitemoehybrid() -> None:

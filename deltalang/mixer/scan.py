@@ -8,8 +8,10 @@ states never all made), `states` (`ssd.per_token`), `state_after(t)`, `head_outp
 runs once over the whole prompt, unchanged; `state_after(t)` is the state of the scan over the prefix beside it
 (behind transformers' torch scan only its state's half: `ssd.final_state`), and a write there changes what the
 scan is linear in: token t re-read from the written state, the change carried to the later tokens' outputs and the
-final state (`ssd.carried`), in the written rows only (the others keep the call's bits). A decode step serves
-`state_input`, `state_after(0)`/`state_output`, `states` and its reductions. An invoke's worker gets its own rows.
+final state (`ssd.carried`), in the written rows only (the others keep the call's bits); `states_as_run`, after
+the writes, is `states` with each write's change carried to the later tokens the same way. A decode step serves
+`state_input`, `state_after(0)`/`state_output`, `states` and its reductions, `states_as_run` (its token's state
+after the writes). An invoke's worker gets its own rows.
 Design: docs/mamba2.md.
 """
 
@@ -41,6 +43,8 @@ def _projected(red: Reduction, pads: list[int] | None) -> bool:
 
 # the prompt scan's inputs as served, in the mixer's forward order: (value, argument index)
 _INPUTS = (("output_matrices", 4), ("input_matrices", 3), ("scan_inputs", 0))
+# a write of `state_after(p)` in a prompt call: (p, the change written there, the state written there)
+_Write = tuple[int, torch.Tensor, torch.Tensor]
 # `states` as the catalogue names its axes on a Mamba-2 block: `[b, s, heads, head_dim, d_state]`, ssd's `[.., h, P, N]`
 STATE_AXES = values.axes("states", kind=values.SSM)
 
@@ -107,7 +111,9 @@ class SSDCall(Requests):
         if self.wants("states"):
             self.serve("states", ssd.per_token(*inputs, initial_states=initial, **opts)[1], step)
         y, final = run(0, s, initial)  # the forward's own call, unchanged
-        y, final = self._scan_after(side, y, final, initial, step, inputs, opts)
+        y, final, writes, cum = self._scan_after(side, y, final, initial, step, inputs, opts)
+        if self.wants("states_as_run"):
+            self.serve("states_as_run", self._ssd_as_run(inputs, initial, opts, writes, cum), step)
         y = self._per_token_input("head_outputs", y, step)
         new = self.serve("state_output", final, step)
         if new is not final:
@@ -116,28 +122,29 @@ class SSDCall(Requests):
 
     def _scan_after(self, side: Callable[[int, int, torch.Tensor | None], torch.Tensor], y: torch.Tensor,
                     final: torch.Tensor, initial: torch.Tensor | None, step: int, inputs: list[torch.Tensor],
-                    opts: dict) -> tuple[torch.Tensor, torch.Tensor]:
+                    opts: dict) -> tuple[torch.Tensor, torch.Tensor, list[_Write], torch.Tensor | None]:
         """Every `state_after` request, beside the forward's unchanged call. The state after p is the scan's over
         the prefix (`side`; the last position: the call's own final state) plus what earlier writes carried there;
         a write at p re-reads token p of its rows from the written state and adds what the change carries to the
         later tokens' outputs and the final state (`ssd.carried`: the scan is linear in its state). Rows that
-        write nothing keep the call's outputs bit for bit."""
+        write nothing keep the call's outputs bit for bit. Returns the outputs, the final state, the writes in
+        token order and the cumulative log decays they were carried with (None if nothing was written)."""
         s = y.shape[1]
         unchanged: dict[int, torch.Tensor] = {s - 1: final}
-        writes: list[tuple[int, torch.Tensor]] = []  # (position, the change written there)
+        writes: list[_Write] = []  # (position, the change written there, the state written there)
         cum: torch.Tensor | None = None
         done: set[str] = set()
         while True:
             asked = {p: [n for n in names if n not in done] for p, names in self.positions("state_after", step).items()}
             asked = {p: names for p, names in asked.items() if names}
             if not asked:
-                return y, final
+                return y, final, writes, cum
             p = min(asked)
             if p not in unchanged:
                 q = max((k for k in unchanged if k < p), default=-1)
                 unchanged[p] = side(q + 1, p + 1, unchanged[q] if q >= 0 else initial)
             state = unchanged[p]
-            for q, change in writes:  # what the earlier writes carried to p
+            for q, change, _ in writes:  # what the earlier writes carried to p
                 assert cum is not None
                 state = state + change * (cum[:, p] - cum[:, q]).exp().float()[..., None, None]
             for name in asked[p]:
@@ -151,8 +158,27 @@ class SSDCall(Requests):
                 if cum is None:
                     cum = ssd.log_decays(inputs[1], inputs[2], opts["dt_bias"], opts["dt_softplus"], opts["dt_limit"])
                 y, final, change = self._written(y, final, p, state, new, cum, inputs, opts["D"])
-                writes.append((p, change))
+                writes.append((p, change, new))
                 state = new
+
+    def _ssd_as_run(self, inputs: list[torch.Tensor], initial: torch.Tensor | None, opts: dict, writes: list[_Write],
+                    cum: torch.Tensor | None) -> torch.Tensor:
+        """`states_as_run`: the state after every token of the forward as it ran, the `state_after` writes
+        applied, `[b, s, h, P, N]` float32. The states of the call's (maybe written) inputs (`ssd.per_token`, as
+        `states`) plus what each write carried to the later tokens, as the outputs were (h'_u = h_u +
+        exp(cum_u - cum_t) Δ for u >= t); the written position holds the written state itself, in the rows it
+        wrote (the others keep `states`' bits)."""
+        states = ssd.per_token(*inputs, initial_states=initial, **opts)[1]
+        for p, change, new in writes:
+            assert cum is not None
+            written = change.flatten(1).ne(0).any(dim=1)
+            if not bool(written.any()):
+                continue
+            rows = written.nonzero().flatten()
+            carry = (cum[rows, p:] - cum[rows, p:p + 1]).exp().float()[..., None, None]  # [r, s - p, h, 1, 1]
+            states[rows, p:] = states[rows, p:] + change[rows].float()[:, None] * carry
+            states[rows, p] = new[rows].float()
+        return states
 
     def _written(self, y: torch.Tensor, final: torch.Tensor, p: int, state: torch.Tensor, new: torch.Tensor,
                  cum: torch.Tensor, inputs: list[torch.Tensor],
@@ -224,6 +250,8 @@ class SSDCall(Requests):
                 if z is not None:
                     y = y * F.silu(z.float())
                 out = y.to(out.dtype)
+        if self.wants("states_as_run"):  # its one token's state as it ran: after the writes above
+            self.serve("states_as_run", state.float().unsqueeze(1).clone(), step)
         served = state.float().clone()
         new = self.serve("state_output", served, step)
         if new is not served:
