@@ -61,22 +61,25 @@ if [ "$install_ok" -eq 0 ]; then
     exit 1
 fi
 
-first_failure() {  # first_failure LOG: the first FAILED/ERROR line of a pytest -rfE run, or "passes"
+first_failure() {  # first_failure LOG STATUS: the first FAILED/ERROR line of a pytest -rfE run, or "passes (N passed)"
     local line
     line=$(grep -m1 -E '^(FAILED|ERROR) ' "$1")
-    if [ -n "$line" ]; then echo "first failure: ${line#* }"; else tail -n1 "$1" | grep -q -E ' passed' && echo passes || { echo "did not finish: $(tail -n1 "$1")"; }; fi
+    if [ -n "$line" ]; then echo "first failure: ${line#* }"
+    elif [ "$2" -eq 0 ]; then echo "passes ($(grep -E '[0-9]+ passed' "$1" | tail -n1 | sed 's/^=* *//; s/ *=*$//'))"
+    else echo "did not finish (pytest exit $2): $(tail -n1 "$1")"; fi
 }
 
+# pyproject's addopts already has -q; -o addopts= keeps pytest's closing "N passed" line (-qq drops it)
 conformance=$(grep -v '^#' .ci/conformance | tr '\n' ' ')
-python -m pytest -p no:cacheprovider -q -rfE $conformance > "$log/conformance.txt" 2>&1
+python -m pytest -p no:cacheprovider -o addopts= -q -rfE $conformance > "$log/conformance.txt" 2>&1
 conformance_status=$?
-core=$(first_failure "$log/conformance.txt")
+core=$(first_failure "$log/conformance.txt" "$conformance_status")
 
 fla_status=0
 if pip install "flash-linear-attention==$fla" "fla-core==$fla_core" "$triton" > "$log/fla-install.txt" 2>&1; then
-    python -m pytest -p no:cacheprovider -q -rfE tests/test_fla.py > "$log/fla.txt" 2>&1
+    python -m pytest -p no:cacheprovider -o addopts= -q -rfE tests/test_fla.py > "$log/fla.txt" 2>&1
     fla_status=$?
-    fla_result=$(first_failure "$log/fla.txt")
+    fla_result=$(first_failure "$log/fla.txt" "$fla_status")
 else
     fla_status=1
     fla_result="install failed: $(tail -n1 "$log/fla-install.txt")"
