@@ -78,14 +78,15 @@ class DeltaModel(LanguageModel):
 
     @property
     def logits(self) -> torch.Tensor:
-        """The model's logits, [b, s, vocab] (inside a trace)."""
-        out = self.lm_head.output
-        return out
+        """The model's logits, [b, s, vocab] (inside a trace): the forward's own `.logits`, after any step
+        the family takes past the LM head (granitemoehybrid divides by `logits_scaling`, falcon_h1
+        multiplies by `lm_head_multiplier`, nemotron_h and mamba2 cast to float32)."""
+        return self.output.logits
 
     @property
     def next_token_probs(self) -> torch.Tensor:
         """The distribution over the next token after each prompt, [b, vocab] (inside a trace)."""
-        return self.lm_head.output[:, -1].float().softmax(dim=-1)
+        return self.output.logits[:, -1].float().softmax(dim=-1)
 
     def linear_layers(self) -> list[int]:
         return self.spec.linear_layers()
@@ -246,17 +247,19 @@ def _pipeline_safe(hf: torch.nn.Module) -> Iterator[None]:
             hf.hf_device_map = device_map
 
 
-def decoder(hf: Any) -> Any:
-    """The decoder stack (`.layers`, `.config`) of a transformers model or its envoy.
-
-    A causal LM keeps it under its `base_model_prefix` (`.model`; mamba2's `.backbone`), a multimodal one at
-    `.model.language_model`.
-    """
+def base_model(hf: Any) -> Any:
+    """The module a causal LM's forward calls for its final hidden state (or its envoy): the one under its
+    `base_model_prefix` (`.model`; mamba2's `.backbone`)."""
     module = getattr(hf, "_module", hf)  # an envoy's model
     prefix = getattr(module, "base_model_prefix", "") or "model"
     inner = getattr(hf, prefix, None) if hasattr(module, prefix) else None
-    if inner is None:
-        inner = getattr(hf, "model", hf)
+    return getattr(hf, "model", hf) if inner is None else inner
+
+
+def decoder(hf: Any) -> Any:
+    """The decoder stack (`.layers`, `.config`) of a transformers model or its envoy: the base model
+    (`base_model`), or a multimodal one's `.language_model`."""
+    inner = base_model(hf)
     return getattr(inner, "language_model", inner)
 
 

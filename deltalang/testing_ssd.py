@@ -42,7 +42,8 @@ def _granitemoehybrid(cls: Any) -> Any:
                layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
                mamba_n_heads=_HEADS, mamba_d_head=32, mamba_d_state=_STATE, mamba_chunk_size=_CHUNK,
                mamba_d_conv=_CONV, mamba_expand=2, num_local_experts=4, num_experts_per_tok=2,
-               shared_intermediate_size=64, position_embedding_type="rope")
+               shared_intermediate_size=64, position_embedding_type="rope",
+               logits_scaling=2.0)  # the model divides its logits by it after the LM head, as Granite's do
 
 
 def _nemotron_h(cls: Any) -> Any:
@@ -55,7 +56,8 @@ def _nemotron_h(cls: Any) -> Any:
 def _falcon_h1(cls: Any) -> Any:
     return cls(**_common(), **_attention(), num_hidden_layers=3, head_dim=16, mamba_d_ssm=128,
                mamba_n_heads=_HEADS, mamba_d_head=32, mamba_d_state=_STATE, mamba_chunk_size=_CHUNK,
-               mamba_d_conv=_CONV, mamba_expand=2)
+               mamba_d_conv=_CONV, mamba_expand=2,
+               lm_head_multiplier=0.5)  # the model multiplies its logits by it after the LM head
 
 
 def _bamba(cls: Any) -> Any:

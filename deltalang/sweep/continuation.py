@@ -6,7 +6,8 @@ says what each block call takes there, read off the clean capture and the model'
 per layer type and per kind the decoder's call names, `passed_masks`, by transformers' own mask functions,
 `MASK_MAKERS`), `call_kwargs` (a block's clean arguments cut to start.. and expanded to the call's rows),
 threaded outputs (a tuple's later items the model passes on, fed from the previous recomputed block:
-`threaded`), and `tail` (what the decoder does after its blocks). Anything else is `Unsupported` with its
+`threaded`), `tail` (what the decoder does after its blocks) and `head` (what the causal LM does after
+the decoder). Anything else is `Unsupported` with its
 reason (the engine then runs the naive path).
 """
 
@@ -200,6 +201,35 @@ def tail(dec: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
                 h = getattr(dec, name)(h)
         return h
     return apply
+
+
+class _Hidden(tuple):
+    """What `head`'s stand-in for the base model returns: the final hidden state as `[0]` and as
+    `.last_hidden_state`; every other field a causal LM's forward passes on (the cache, router logits,
+    rope deltas) None."""
+
+    def __new__(cls, h: torch.Tensor) -> "_Hidden":
+        return super().__new__(cls, (h,))
+
+    def __getattr__(self, name: str) -> Any:
+        return self[0] if name == "last_hidden_state" else None
+
+
+def head(hf: torch.nn.Module, base: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The next-token logits `[b, vocab]` the causal LM `hf` makes of the final hidden state `h` (`[b, s, d]`,
+    after the decoder's `tail`), by its own forward with its base model `base` standing aside: the LM head
+    and whatever the family does past it (granitemoehybrid's `logits_scaling`, falcon_h1's
+    `lm_head_multiplier`, a cast to float32)."""
+    own = base.__dict__.get("forward")
+    base.forward = lambda *args, **kwargs: _Hidden(h)  # type: ignore[method-assign]
+    try:
+        logits = hf(input_ids=None, inputs_embeds=h, use_cache=False, logits_to_keep=1).logits
+    finally:
+        if own is None:
+            del base.forward
+        else:
+            base.forward = own  # type: ignore[method-assign]
+    return logits[:, -1]
 
 
 def _stores_residual(stmt: ast.stmt) -> bool:

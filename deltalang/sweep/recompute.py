@@ -25,7 +25,7 @@ from ..internals import cache as hf_cache
 from ..internals import cache_keyword, cache_kwargs
 from ..internals.cache import (ATTENTION_LAYOUT, HYBRID_LAYOUT, LINEAR_LAYOUT, NO_CACHE_LAYOUT, CacheOf,
                                CacheUnsupported)
-from ..model import DeltaModel, decoder
+from ..model import DeltaModel, base_model, decoder
 from . import continuation
 from .errors import Unsupported
 from .job import Cell
@@ -289,7 +289,7 @@ def run_rows(model: DeltaModel, cap: Capture, rows: Sequence[Row], start: int,
         if final is not None:
             finals[i] = final
     assert h is not None
-    logits = hf.get_output_embeddings()(continuation.tail(dec)(h[:, -1:]))[:, -1]
+    logits = continuation.head(hf, base_model(hf), continuation.tail(dec)(h[:, -1:]))
     return RowsOut(logits, finals)
 
 
