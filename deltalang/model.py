@@ -86,7 +86,7 @@ class DeltaModel(LanguageModel):
     @property
     def next_token_probs(self) -> torch.Tensor:
         """The distribution over the next token after each prompt, [b, vocab] (inside a trace)."""
-        return self.output.logits[:, -1].float().softmax(dim=-1)
+        return self.logits[:, -1].float().softmax(dim=-1)
 
     def linear_layers(self) -> list[int]:
         return self.spec.linear_layers()
