@@ -1,4 +1,4 @@
-"""The versions of transformers and nnsight deltalang is tested on.
+"""The versions of torch, transformers and nnsight deltalang is tested on.
 
 - `SUPPORTED`: each dependency's range, as in pyproject.toml (`tests/test_compat.py` holds them together);
   docs/gpu.md, "Supported versions", says why each bound is where it is;
@@ -17,6 +17,7 @@ from .errors import DeltaModelError
 # package -> (oldest tested, first untested): pyproject.toml says `>=low,<high`; `high` is the minor after the newest
 # one CI runs (a new release is admitted once it passes there: docs/gpu.md, "Supported versions")
 SUPPORTED: dict[str, tuple[str, str]] = {
+    "torch": ("2.13", "2.14"),  # CI installs 2.13.0 (the one CPU build on the registry); 2.14/2.15 never ran
     "transformers": ("5.21.0", "5.26"),
     "nnsight": ("0.8.0", "0.9"),
 }
@@ -57,7 +58,7 @@ def problem(package: str, version: str | None) -> str | None:
 
 
 def check_versions() -> None:
-    """Raise `UnsupportedVersion` when transformers or nnsight is outside its supported range."""
+    """Raise `UnsupportedVersion` when torch, transformers or nnsight is outside its supported range."""
     for package in SUPPORTED:
         why = problem(package, installed(package))
         if why is not None:

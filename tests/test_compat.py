@@ -8,6 +8,7 @@ in `**kwargs`, so a wrong keyword would run the continuation from an empty cache
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -128,3 +129,17 @@ def test_pyproject_declares_the_ranges_compat_checks() -> None:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     for package in compat.SUPPORTED:
         assert compat.requirement(package) in deps, (package, deps)
+
+
+def test_torch_is_admitted_only_where_ci_runs_it() -> None:
+    """torch's range holds the release `.ci/run` installs (and its CPU build) and no release CI never ran."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    pins = set(re.findall(r"pip install torch==(\S+)", ci))
+    assert pins, "no torch pin in .ci/run"
+    for pin in pins:
+        assert compat.problem("torch", pin) is None, pin
+        assert compat.problem("torch", pin + "+cpu") is None, pin
+    for untested in ("2.14.1", "2.15.0", "2.6.0"):
+        assert compat.problem("torch", untested) == (
+            f"torch {untested} is not supported; deltalang is tested on torch>=2.13,<2.14 "
+            "(pip install 'torch>=2.13,<2.14')")
