@@ -127,6 +127,28 @@ def _inverse_unit_lower(a: torch.Tensor) -> torch.Tensor:
     return x + torch.eye(a.shape[-1], dtype=x.dtype, device=x.device)
 
 
+def _log_decays(gg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's log decays from per-token ones `gg` `[bh, n, C, d]` (d: 1, or dk for Kimi), each a float32 sum
+    of the very terms it spans, never a difference of two cumulative sums (whose rounding is that of the
+    whole chunk's decay: one token forgetting hard, g = -300, left every later decay ~1e-4 off).
+
+    Returns (cum `[bh, n, C, d]`: from the chunk's start through t; pair `[bh, n, C(t), C(j), d]`: from j to t,
+    the sum over j < l <= t, -inf where j > t; to_end `[bh, n, C, d]`: from t to the chunk's end, l > t)."""
+    C = gg.shape[2]
+    below = torch.ones(C, C, dtype=torch.bool, device=gg.device).tril(-1)  # [l, j]: l > j
+    pair = gg[:, :, :, None, :].expand(-1, -1, -1, C, -1).masked_fill(~below[..., None], 0).cumsum(dim=2)
+    pair = pair.masked_fill(below.T[..., None], float("-inf"))
+    to_end = pair[:, :, -1].clone()  # l > j through the chunk's last token
+    to_end[:, :, -1] = 0.0
+    return gg.cumsum(dim=2), pair, to_end
+
+
+def _ends(k: torch.Tensor, cum: torch.Tensor, to_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the scan over chunks carries: the keys decayed to the chunk's end `[bh, n, dk, C]` and the chunk's
+    whole decay `[bh, n, 1 or dk, 1]`."""
+    return (k * to_end.exp()).transpose(-1, -2), cum[:, :, -1, :, None].exp()
+
+
 def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None,
               use_qk_l2norm: bool, chunk_size: int = CHUNK,
@@ -155,22 +177,19 @@ def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, valu
     # padding: zero keys and betas write nothing, zero log decay keeps the state; (b, h) merged
     q, k, v, gg = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b * h, n, C, -1) for x in (q, k, v, gg))
     bb = torch.nn.functional.pad(bb, (0, pad)).reshape(b * h, n, C, 1)
-    cum = gg.cumsum(dim=2)  # [bh, n, C, 1 or dk]
-    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    cum, pair, to_end = _log_decays(gg)  # [bh, n, C, 1 or dk], [bh, n, C, C, 1 or dk], [bh, n, C, 1 or dk]
     if per_head:  # decay[t, j] = exp(G_t - G_j) for j <= t: [bh, n, C, C]; no key-sized product needed
-        c = cum[..., 0]
-        decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()
+        decay = pair[..., 0].exp()
         system = ((k * bb) @ k.transpose(-1, -2)) * decay
         kd = None
     else:  # kd[t, j, a] = exp(G_t - G_j)[a] * k_j[a] for j <= t, else 0: [bh, n, C, C, dk]
-        kd = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
-        kd = kd * k[..., None, :, :]
+        kd = pair.exp() * k[..., None, :, :]
         system = (kd @ (k * bb)[..., None])[..., 0]  # beta_t k_t . kd[t, j]
         decay = None
     inverse = _inverse_unit_lower(system.tril(-1))
     u0 = inverse @ (v * bb)
     w = inverse @ (k * bb * cum.exp())
-    starts, u = _scan(S0.reshape(b * h, dk, dv), u0, w, k, cum)
+    starts, u = _scan(S0.reshape(b * h, dk, dv), u0, w, *_ends(k, cum, to_end))
     out = _unchunk(_chunk_outputs(q, k, kd, decay, cum, starts, u), b, h, s, query.dtype)
     if final_state:
         return out, starts[n].reshape(b, h, dk, dv)
@@ -238,10 +257,10 @@ def per_token_sq_norms(fam: families.Family, query: torch.Tensor, key: torch.Ten
     inner product with the sum, plus the sum's square, which needs only the keys' and corrections' Gram
     matrices within the chunk (C x C), never a [dk, dv] state per token (in float64: the terms may cancel).
     The scan over chunks keeps no chunk's starting state: each one's products are taken as it passes."""
-    k, kd, decay, cum, u0, w, S0, b, s, gram = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
-                                                             chunk_size)
+    k, kd, decay, cum, u0, w, S0, b, s, gram, to_end = _chunk_system(fam, key, value, g, beta, initial_state,
+                                                                     use_qk_l2norm, chunk_size)
     bh, n, C, dk = k.shape
-    u, sq0, inner = _scan_products(S0, u0, w, k, cum, decay is not None)
+    u, sq0, inner = _scan_products(S0, u0, w, k, *_ends(k, cum, to_end), decay is not None)
     e = cum.double().exp()  # [bh, n, C, 1 or dk]
     gu = (u @ u.transpose(-1, -2)).double()  # [bh, n, C, C]
     if decay is not None:  # one decay per head; inner[j] = (k_j S0) . u_j
@@ -265,15 +284,14 @@ def per_token_projections(fam: families.Family, query: torch.Tensor, key: torch.
     """Each head's state after every token dotted with `direction` `[h, dk, dv]`, `[b, s, h]` float32, without
     the states: <S_t, D> = <E_t S0, D> + sum_j (k_j D) . u_j inside a chunk (Kimi: per key channel, through kd),
     the chunk's starting state dotted with D as the scan passes it, k D for every chunk in one product."""
-    k, kd, decay, cum, u0, w, S0, b, s, _ = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
-                                                          chunk_size)
+    k, kd, decay, cum, u0, w, S0, b, s, _, to_end = _chunk_system(fam, key, value, g, beta, initial_state,
+                                                                  use_qk_l2norm, chunk_size)
     bh, n, C, dk = k.shape
     h = bh // b
     D = direction.to(device=k.device, dtype=torch.float32).expand(b, h, dk, -1).reshape(bh, dk, -1)
     per_head = decay is not None
-    last = cum[:, :, -1:, :]
-    k_last = (k * (last - cum).exp()).transpose(-1, -2).contiguous()  # [bh, n, dk, C]
-    e_last = last[:, :, 0, :, None].exp()
+    k_last, e_last = _ends(k, cum, to_end)
+    k_last = k_last.contiguous()  # [bh, n, dk, C]
     u = torch.empty((n, *u0.shape[:1], C, u0.shape[-1]), dtype=torch.float32, device=u0.device)
     dots = torch.empty((n, bh, *(() if per_head else (dk,))), dtype=torch.float32, device=u0.device)
     S = S0
@@ -291,16 +309,14 @@ def per_token_projections(fam: families.Family, query: torch.Tensor, key: torch.
     return total.reshape(b, h, n * C)[:, :, :s].transpose(1, 2)
 
 
-def _scan_products(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.Tensor, cum: torch.Tensor,
-                   per_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scan_products(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_last: torch.Tensor,
+                   e_last: torch.Tensor, per_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_scan` keeping, of each chunk's starting state S0, only what a norm needs: the corrections u
     `[bh, n, C, dv]`, |S0|^2 float64 (`[bh, n]`; per key row `[bh, n, dk]` for Kimi) and the inner products
     with the chunk's writes, float64: (k_j S0) . u_j `[bh, n, C]` (Kimi: S0 u_j^T `[bh, n, C, dk]`).
     One product of S0 with the chunk's `w` and `k` stacked; nothing of size `[n, dk, dv]` is kept."""
     bh, n, C, dv = u0.shape
-    last = cum[:, :, -1:, :]  # [bh, n, 1, 1 or dk]
-    k_last = (k * (last - cum).exp()).transpose(-1, -2).contiguous()  # [bh, n, dk, C]
-    e_last = last[:, :, 0, :, None].exp()  # [bh, n, 1 or dk, 1]
+    k_last = k_last.contiguous()  # [bh, n, dk, C]
     left = torch.cat([w, k], dim=2) if per_head else w.contiguous()  # [bh, n, 2C or C, dk]
     u = torch.empty((n, bh, C, dv), dtype=torch.float32, device=u0.device)
     sq0 = torch.empty((n, bh, *(() if per_head else (k.shape[-1],))), dtype=torch.float64, device=u0.device)
@@ -321,7 +337,8 @@ def _scan_products(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.
 def _chunk_system(fam: families.Family, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int) -> tuple[Any, ...]:
     """`per_token`'s chunked pieces before the scan, without the queries: (k, kd, decay, cum, u0, w, S0 `[bh, dk,
-    dv]`, b, s), u0 and w the chunk's corrections before and their dependence on its starting state."""
+    dv]`, b, s, gram, to_end), u0 and w the chunk's corrections before and their dependence on its starting state,
+    to_end each token's log decay to its chunk's end (`_log_decays`)."""
     heads = value.shape[-2]
     if key.shape[-2] != heads:
         key = key.repeat_interleave(heads // key.shape[-2], dim=2)
@@ -338,41 +355,35 @@ def _chunk_system(fam: families.Family, key: torch.Tensor, value: torch.Tensor, 
     n = (s + pad) // C
     k, v, gg = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b * h, n, C, -1) for x in (k, v, gg))
     bb = torch.nn.functional.pad(bb, (0, pad)).reshape(b * h, n, C, 1)
-    cum = gg.cumsum(dim=2)
-    upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
+    cum, pair, to_end = _log_decays(gg)
     if per_head:
-        c = cum[..., 0]
-        decay = (c[..., :, None] - c[..., None, :]).masked_fill(upper, float("-inf")).exp()
+        decay = pair[..., 0].exp()
         gram = k @ k.transpose(-1, -2)  # the keys' Gram matrix, [bh, n, C, C]
         system, kd = gram * bb * decay, None
     else:
         gram = None
-        kd = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
-        kd = kd * k[..., None, :, :]
+        kd = pair.exp() * k[..., None, :, :]
         system, decay = (kd @ (k * bb)[..., None])[..., 0], None
     inverse = _inverse_unit_lower(system.tril(-1))
     u0, w = inverse @ (v * bb), inverse @ (k * bb * cum.exp())
-    return k, kd, decay, cum, u0, w, S0.reshape(b * h, dk, dv), b, s, gram
+    return k, kd, decay, cum, u0, w, S0.reshape(b * h, dk, dv), b, s, gram, to_end
 
 
 def _chunked(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int
              ) -> tuple[Any, ...]:
     """`per_token`'s chunked pieces without its outputs: (k, kd, decay, cum, starts, u, b, s)."""
-    k, kd, decay, cum, u0, w, S0, b, s, _ = _chunk_system(fam, key, value, g, beta, initial_state, use_qk_l2norm,
-                                                          chunk_size)
-    starts, u = _scan(S0, u0, w, k, cum)
+    k, kd, decay, cum, u0, w, S0, b, s, _, to_end = _chunk_system(fam, key, value, g, beta, initial_state,
+                                                                  use_qk_l2norm, chunk_size)
+    starts, u = _scan(S0, u0, w, *_ends(k, cum, to_end))
     return k, kd, decay, cum, starts, u, b, s
 
 
-def _scan(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.Tensor,
-          cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scan(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k_last: torch.Tensor,
+          e_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan over chunks: each chunk's starting state `[n + 1, bh, dk, dv]` (the last: the final
     state) and its corrections `u = u0 - w S0` `[bh, n, C, dv]`."""
-    bh, n, C, dv = u0.shape
-    last = cum[:, :, -1:, :]  # [bh, n, 1, 1 or dk]
-    k_last = (k * (last - cum).exp()).transpose(-1, -2)  # [bh, n, dk, C]
-    e_last = last[:, :, 0, :, None].exp()  # [bh, n, 1 or dk, 1]
+    n = u0.shape[1]
     starts, u = [S], []
     for i in range(n):  # no `out=`: autograd follows (a trace with gradients on)
         u.append(torch.baddbmm(u0[:, i], w[:, i], starts[i], alpha=-1))

@@ -77,7 +77,8 @@ def _chunked(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
              dt_bias: torch.Tensor | None, initial_states: torch.Tensor | None, dt_softplus: bool,
              dt_limit: tuple[float, float], chunk_size: int) -> tuple[torch.Tensor, ...]:
     """The scan's inputs in chunks, (b, h) merged: dt·x `[bh, n, c, P]`, B, C `[bh, n, c, N]`, the cumulative log
-    decay from each chunk's start `[bh, n, c]`, decay[t, j] = exp(G_t - G_j) for j <= t `[bh, n, c, c]`, the
+    decay from each chunk's start `[bh, n, c]`, decay[t, j] = exp(G_t - G_j) for j <= t `[bh, n, c, c]` (the sum over
+    j < l <= t: `_segment_sum`), the
     starting state `[bh, P, N]`. Padding: zero inputs write nothing, zero log decay keeps the state."""
     x, xdt, a, Bh, Ch = prepare(hidden_states, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
     b, h, s, P = x.shape
@@ -86,10 +87,11 @@ def _chunked(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
     pad = (-s) % c
     n = (s + pad) // c
     xdt, Bh, Ch = (F.pad(t, (0, 0, 0, pad)).reshape(b * h, n, c, -1) for t in (xdt, Bh, Ch))
-    cum = F.pad(a, (0, pad)).reshape(b * h, n, c).cumsum(dim=-1)  # [bh, n, c]
-    upper = torch.ones(c, c, dtype=torch.bool, device=x.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [bh, n, t, j]
-    return xdt, Bh, Ch, cum, decay, S0
+    a = F.pad(a, (0, pad)).reshape(b * h, n, c)
+    # each decay a sum of the log decays it spans, not a difference of cumulative ones (whose rounding is the
+    # whole chunk's: a hard-forgetting token left every later decay of its chunk ~1e-4 off)
+    decay = _segment_sum(a).exp()  # [bh, n, t, j]
+    return xdt, Bh, Ch, a.cumsum(dim=-1), decay, S0
 
 
 def per_token(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -108,7 +110,7 @@ def per_token(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
                                            dt_limit, chunk_size)
     b, s, h, P = hidden_states.shape
     bh, n, c, N = Bh.shape
-    starts = _scan(S0, xdt, Bh, cum)
+    starts = _scan(S0, xdt, Bh, cum, decay)
     intra = (Ch @ Bh.transpose(-1, -2)) * decay  # [bh, n, t, j]: C_t . B_j exp(G_t - G_j)
     y = intra @ xdt + cum.exp()[..., None] * (Ch @ starts[:n].transpose(0, 1).transpose(-1, -2))
     y = y.reshape(b, h, n * c, P)[:, :, :s].transpose(1, 2)
@@ -119,10 +121,10 @@ def per_token(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     return y, _chunk_states(xdt, Bh, decay, cum, starts, b)[:, :s]
 
 
-def _scan(S: torch.Tensor, xdt: torch.Tensor, Bh: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
+def _scan(S: torch.Tensor, xdt: torch.Tensor, Bh: torch.Tensor, cum: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
     """The scan over chunks: each chunk's starting state `[n + 1, bh, P, N]` (the last: the final state)."""
     n = xdt.shape[1]
-    local, e_last = _local(xdt, Bh, cum)
+    local, e_last = _local(xdt, Bh, cum, decay)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (S, xdt, Bh, cum)):
         parts = [S]
         for i in range(n):  # fresh tensors: autograd follows
@@ -135,14 +137,14 @@ def _scan(S: torch.Tensor, xdt: torch.Tensor, Bh: torch.Tensor, cum: torch.Tenso
     return starts
 
 
-def _local(xdt: torch.Tensor, Bh: torch.Tensor, cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What each chunk adds from zero, sum_j exp(G_last - G_j) (dt_j x_j) ⊗ B_j `[bh, n, P, N]`, and the chunk's
-    whole decay exp(G_last) `[bh, n, 1, 1]`."""
-    last = cum[:, :, -1:]  # [bh, n, 1]
-    return (xdt * (last - cum).exp()[..., None]).transpose(-1, -2) @ Bh, last.exp()[..., None]
+def _local(xdt: torch.Tensor, Bh: torch.Tensor, cum: torch.Tensor,
+           decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each chunk adds from zero, sum_j exp(G_last - G_j) (dt_j x_j) ⊗ B_j `[bh, n, P, N]` (decay's last row),
+    and the chunk's whole decay exp(G_last) `[bh, n, 1, 1]`."""
+    return (xdt * decay[:, :, -1, :, None]).transpose(-1, -2) @ Bh, cum[:, :, -1:].exp()[..., None]
 
 
-def _groups(S0: torch.Tensor, xdt: torch.Tensor, Bh: torch.Tensor, cum: torch.Tensor,
+def _groups(S0: torch.Tensor, xdt: torch.Tensor, Bh: torch.Tensor, cum: torch.Tensor, decay: torch.Tensor,
             group: int) -> Iterator[tuple[int, int, torch.Tensor]]:
     """The scan over chunks a group at a time: (first chunk i, end j, the starting states of chunks i..j-1
     `[j - i, bh, P, N]`), the state carried from group to group: memory of one group, whatever the length.
@@ -150,7 +152,7 @@ def _groups(S0: torch.Tensor, xdt: torch.Tensor, Bh: torch.Tensor, cum: torch.Te
     n, S = xdt.shape[1], S0
     for i in range(0, n, group):
         j = min(n, i + group)
-        local, e_last = _local(xdt[:, i:j], Bh[:, i:j], cum[:, i:j])
+        local, e_last = _local(xdt[:, i:j], Bh[:, i:j], cum[:, i:j], decay[:, i:j])
         starts = torch.empty((j - i, *S.shape), dtype=torch.float32, device=S.device)
         for k in range(j - i):
             starts[k] = S
@@ -215,7 +217,7 @@ def per_token_reduced(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Te
     scratch = torch.empty((h, min(group, n), c * P, N), dtype=torch.float32, device=xdt.device)
     lefts = torch.empty((h, min(group, n), c, P, c), dtype=torch.float32, device=xdt.device)
     e_cum = cum.exp()
-    for i, j, starts in _groups(S0, xdt, Bh, cum, group):
+    for i, j, starts in _groups(S0, xdt, Bh, cum, decay, group):
         for r in range(b):
             rows = slice(r * h, (r + 1) * h)
             # left[h, k, t, p, j] = decay[t, j] (dt x)_j[p]: one plain batched product over (h, k), nothing broadcast
@@ -245,7 +247,7 @@ def per_token_sq_norms(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.T
     b, s, h, P = hidden_states.shape
     bh, n, c, N = Bh.shape
     out = torch.empty((bh, n, c), dtype=torch.float64, device=xdt.device)
-    for i, j, starts in _groups(S0, xdt, Bh, cum, max(1, _BLOCK_BYTES // (bh * P * N * 4))):
+    for i, j, starts in _groups(S0, xdt, Bh, cum, decay, max(1, _BLOCK_BYTES // (bh * P * N * 4))):
         S = starts.transpose(0, 1)  # [bh, j - i, P, N]
         u, Bg, d = xdt[:, i:j], Bh[:, i:j], decay[:, i:j].double()
         e = cum[:, i:j].double().exp()
@@ -271,7 +273,7 @@ def per_token_projected(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.
     D = direction.to(device=xdt.device, dtype=torch.float32).expand(b, h, P, N).reshape(bh, 1, P, N)
     q = ((xdt @ D) * Bh).sum(-1)  # [bh, n, c]: u_j^T D B_j
     out = (decay @ q[..., None])[..., 0]
-    for i, j, starts in _groups(S0, xdt, Bh, cum, max(1, _BLOCK_BYTES // (bh * P * N * 4))):
+    for i, j, starts in _groups(S0, xdt, Bh, cum, decay, max(1, _BLOCK_BYTES // (bh * P * N * 4))):
         out[:, i:j] += cum[:, i:j].exp() * (starts.transpose(0, 1) * D).sum(dim=(-2, -1))[..., None]
     return out.reshape(b, h, n * c)[:, :, :s].transpose(1, 2)
 
