@@ -671,3 +671,21 @@ def test_falcon_h1_with_its_gated_norm_serves_the_gate() -> None:
     _close(written, want, tol=1e-3)
     clean = _forward(truth_model, ids).logits
     assert float((written - clean).abs().max()) > 10 * float((written - want).abs().max())
+
+
+def test_a_kind_the_model_lacks_names_the_recurrent_blocks_it_has(tiny_spec: Any) -> None:
+    """`L[linear]` on a Mamba-2 model points at `L[ssm]`, and `L[ssm]` on a DeltaNet model at `L[linear]`:
+    the model's recurrent blocks by their selector, with their numbers."""
+    from deltalang.errors import DeltaError
+
+    for spec, text, want in (
+            (deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint("granitemoehybrid")), "read L[linear].state_output",
+             "the model has no linear blocks; its recurrent blocks are L[ssm]"),
+            (tiny_spec("qwen3_5"), "read L[ssm].state_output",
+             "the model has no ssm blocks; its recurrent blocks are L[linear]")):
+        with pytest.raises(DeltaError) as err:
+            deltalang.check(text, spec, prompt="abcdef")
+        line = str(err.value).splitlines()[0]
+        assert want in line, line
+        have = spec.ssm_layers() or spec.linear_layers()
+        assert ", ".join(f"L{i}" for i in have) in line, line
