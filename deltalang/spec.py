@@ -39,6 +39,11 @@ class ModelSpec:
         layer_type = self.layer_types[layer]
         return self.family.layer_kind(layer_type) or (values.ATTENTION if "attention" in layer_type else values.MLP)
 
+    def feed_forward(self, layer: int) -> str:
+        """What a block with neither mixer nor attention runs, as shown: `MoE` (nemotron_h's `moe`, a mixture of
+        experts) or `MLP`."""
+        return "MoE" if self.layer_types[layer] == "moe" else "MLP"
+
     def linear_layers(self) -> list[int]:
         """The delta-rule blocks (`L[linear]`): never a Mamba-2 block, whatever its config calls it."""
         return self.layers_of(values.DELTANET)
@@ -80,7 +85,8 @@ class ModelSpec:
                 return f"a value of Mamba-2 blocks only, not of a DeltaNet block ({self.layer_types[layer]})"
             ssm = values.DELTANET not in v.kinds or self.family.block_kind == values.SSM
             mixer = "Mamba-2" if ssm and values.SSM in v.kinds else "DeltaNet"
-            what = ": an MLP block, no attention either" if kind == values.MLP else ""
+            what = f": {'a' if self.feed_forward(layer) == 'MoE' else 'an'} {self.feed_forward(layer)} block, no " \
+                "attention either" if kind == values.MLP else ""
             return f"no {mixer} mixer on this block ({self.layer_types[layer]}{what})"
         if value == "gate" and not self.family.gated_norm(text_config(self.config)):
             field = families.ADAPTERS[self.family.name].gate_norm
