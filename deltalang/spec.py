@@ -198,13 +198,30 @@ def spec_from_config(model_id: str, config: Any, tokenizer: Any) -> ModelSpec:
     return ModelSpec(model_id, fam, layer_types, dims, tokenizer, config)
 
 
+# the files a tokenizer is saved as: tokenizers' serialization, its config, a BPE vocabulary, a sentencepiece or
+# tiktoken model; a local directory with none of them has no tokenizer (transformers then fails mid-sentence, or
+# builds an empty tokenizer of one token from the config alone)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "spiece.model", "special_tokens_map.json")
+
+
+def _has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES) or \
+        any(p.suffix in (".model", ".tiktoken") or p.name.startswith("tokenizer") for p in directory.iterdir())
+
+
 def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
+    if Path(where).is_dir() and not _has_tokenizer_files(Path(where)):
+        raise DeltaModelError(
+            f"cannot load the tokenizer of {where!r}: the directory has no tokenizer files "
+            f"({', '.join(TOKENIZER_FILES[:5])}, ...); copy them from the checkpoint it was saved from, or save them there with "
+            f"tokenizer.save_pretrained(DIR)")
     try:
         tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise DeltaModelError(f"cannot load the tokenizer of {where!r}: {str(e).splitlines()[0]}") from None
+        raise DeltaModelError(f"cannot load the tokenizer of {where!r}: {' '.join(str(e).split())}") from None
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

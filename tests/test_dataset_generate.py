@@ -338,7 +338,8 @@ def test_a_decode_step_takes_each_records_donor_state(setup: Any) -> None:
                 tokens.append(int(logits[-1].argmax()))
             assert [c["token_ids"] for c in out.continuations if c["record"] == i] == [tokens]
             answer = model.tokenizer(rec["answer"]).input_ids[-1]
-            got = {r["step"]: r["value"] for r in out.rows if r["record"] == i and r["measure"] == "g.prob(facts.answer)"}
+            got = {r["step"]: r["value"] for r in out.rows
+                   if r["record"] == i and r["measure"] == "g.prob(facts.answer)"}
             assert sorted(got) == [0, 1, 2]
             for k, v in got.items():
                 assert v == pytest.approx(logits[k].softmax(-1)[answer].item(), abs=1e-5), (i, k)

@@ -45,8 +45,8 @@ def uses_dataset(program: ast.Program) -> bool:
 
 def donor_field(node: ast.FromSource, ds_name: str, block_vars: set[str]) -> str | None:
     """The field a `from` on the dataset names as its donor: `from facts.corrupt` (a field, known or not) or
-    `from facts.corrupt.state_output`, `from facts.corrupt.state_after(-1)` (the parser reads `corrupt` there as a block, but no block is a bare name
-    other than a sweep variable's); None for `from facts` and `from facts.L2.VALUE`."""
+    `from facts.corrupt.state_output`, `from facts.corrupt.state_after(-1)` (the parser reads `corrupt` there as a
+    block, but no block is a bare name other than a sweep variable's); None for `from facts`, `from facts.L2.VALUE`."""
     site = node.site
     if node.run != ds_name or site is None:
         return None
