@@ -27,7 +27,7 @@ from .spec import ModelSpec
 
 def describe_model(spec: ModelSpec) -> str:
     """`NAME: qwen3_5, 4 blocks (DeltaNet L0 L1 L2; attention L3)`; a Mamba-2 model names its Mamba-2 blocks
-    (`Mamba-2 L0 L1 L2, L1 L2 with attention too; attention none`), and blocks with neither (`MLP L1`)."""
+    (`Mamba-2 L0 L1 L2, L1 L2 with attention too; attention none`), and blocks with neither (`MLP L1`, `MoE L3`)."""
     def blocks(layers: list[int]) -> str:
         return " ".join(f"L{i}" for i in layers) or "none"
     if spec.family.block_kind == "ssm":
@@ -35,8 +35,8 @@ def describe_model(spec: ModelSpec) -> str:
         rec = f"Mamba-2 {blocks(spec.ssm_layers())}" + (f", {blocks(both)} with attention too" if both else "")
     else:
         rec = f"DeltaNet {blocks(spec.linear_layers())}"
-    mlp = spec.layers_of("mlp")
-    rest = f"; MLP {blocks(mlp)}" if mlp else ""
+    rest = "".join(f"; {name} {blocks(got)}" for name in ("MLP", "MoE")
+                   if (got := [i for i in spec.layers_of("mlp") if spec.feed_forward(i) == name]))
     return f"{spec.model_id}: {spec.family.name}, {spec.num_layers} blocks ({rec}; attention " \
            f"{blocks(spec.attention_layers())}{rest})"
 

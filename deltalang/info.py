@@ -137,7 +137,7 @@ def format_info(spec: ModelSpec) -> str:
             head.add_row(f"L{i}", kind, spec.family.name, str(d["heads"]), *(str(d[a]) for a in state_axes),
                          str(d["conv_width"]), prompt, decode)
         else:
-            head.add_row(f"L{i}", "MLP" if spec.kind(i) == values.MLP else "attention", spec.family.name,
+            head.add_row(f"L{i}", spec.feed_forward(i) if spec.kind(i) == values.MLP else "attention", spec.family.name,
                          "", "", "", "", "", "")
     vals = Table(title="values per block (✓ available)")
     vals.add_column("value")

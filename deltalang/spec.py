@@ -39,6 +39,11 @@ class ModelSpec:
         layer_type = self.layer_types[layer]
         return self.family.layer_kind(layer_type) or (values.ATTENTION if "attention" in layer_type else values.MLP)
 
+    def feed_forward(self, layer: int) -> str:
+        """What a block with neither mixer nor attention runs, as shown: `MoE` (nemotron_h's `moe`, a mixture of
+        experts) or `MLP`."""
+        return "MoE" if self.layer_types[layer] == "moe" else "MLP"
+
     def linear_layers(self) -> list[int]:
         """The delta-rule blocks (`L[linear]`): never a Mamba-2 block, whatever its config calls it."""
         return self.layers_of(values.DELTANET)
@@ -80,7 +85,8 @@ class ModelSpec:
                 return f"a value of Mamba-2 blocks only, not of a DeltaNet block ({self.layer_types[layer]})"
             ssm = values.DELTANET not in v.kinds or self.family.block_kind == values.SSM
             mixer = "Mamba-2" if ssm and values.SSM in v.kinds else "DeltaNet"
-            what = ": an MLP block, no attention either" if kind == values.MLP else ""
+            what = f": {'a' if self.feed_forward(layer) == 'MoE' else 'an'} {self.feed_forward(layer)} block, no " \
+                "attention either" if kind == values.MLP else ""
             return f"no {mixer} mixer on this block ({self.layer_types[layer]}{what})"
         if value == "gate" and not self.family.gated_norm(text_config(self.config)):
             field = families.ADAPTERS[self.family.name].gate_norm
@@ -192,13 +198,30 @@ def spec_from_config(model_id: str, config: Any, tokenizer: Any) -> ModelSpec:
     return ModelSpec(model_id, fam, layer_types, dims, tokenizer, config)
 
 
+# the files a tokenizer is saved as: tokenizers' serialization, its config, a BPE vocabulary, a sentencepiece or
+# tiktoken model; a local directory with none of them has no tokenizer (transformers then fails mid-sentence, or
+# builds an empty tokenizer of one token from the config alone)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "spiece.model", "special_tokens_map.json")
+
+
+def _has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES) or \
+        any(p.suffix in (".model", ".tiktoken") or p.name.startswith("tokenizer") for p in directory.iterdir())
+
+
 def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
+    if Path(where).is_dir() and not _has_tokenizer_files(Path(where)):
+        raise DeltaModelError(
+            f"cannot load the tokenizer of {where!r}: the directory has no tokenizer files "
+            f"({', '.join(TOKENIZER_FILES[:5])}, ...); copy them from the checkpoint it was saved from, or save them there with "
+            f"tokenizer.save_pretrained(DIR)")
     try:
         tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise DeltaModelError(f"cannot load the tokenizer of {where!r}: {str(e).splitlines()[0]}") from None
+        raise DeltaModelError(f"cannot load the tokenizer of {where!r}: {' '.join(str(e).split())}") from None
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -289,3 +289,62 @@ def test_groups_hold_one_prompt_length_and_a_bounded_number_of_tokens(monkeypatc
     monkeypatch.setattr(dataset_generate, "BATCH_TOKENS", 24)  # three prompts of 8 tokens a generate
     assert [len(g) for g in dataset_generate.generate_groups(recs, True)] == [1, 3, 3, 1]
     assert [len(g) for g in dataset_generate.generate_groups(recs, False)] == [1] * 8
+
+
+DONOR_STATE = """generate g on facts max_new_tokens 3 {
+    step 1: write L[linear].state_input from facts.corrupt.state_output
+    measure prob(facts.answer)
+}
+"""
+
+
+def test_a_decode_step_takes_each_records_donor_state(setup: Any) -> None:
+    """`step 1: write L[linear].state_input from facts.corrupt.state_output`: per record, the state the donor
+    field's prompt leaves after its last token (transformers' cache after that prompt) starts new token 1's step
+    in every linear block, the clean prompt's cache otherwise kept (its convolution windows, its attention);
+    each step's P(answer) and the tokens as transformers gives them from that cache."""
+    from deltalang.internals import cache as hf_cache
+    from reference import hf_forward, output_cache
+
+    model, hf, records = setup
+    records = [{**r, "corrupt": r.get("corrupt", r["prompt"][::-1] + "zz")} for r in records]
+    out, _ = _groups(DONOR_STATE, model, records)
+    fam = families.for_config(hf.config)
+    assert fam is not None
+    names = (fam.chunk_kernel, fam.recurrent_kernel)
+    saved = {k: getattr(fam.module, k) for k in names}
+    linear = model.spec.layers_of("linear")
+    assert linear
+    moved = 0
+    try:
+        for k in names:  # transformers' own kernels, as its modeling module held them at import
+            setattr(fam.module, k, kernels.original(fam, k))
+        for i, rec in enumerate(records):
+            ids = model.tokenizer(rec["prompt"], return_tensors="pt").input_ids
+            donor = output_cache(hf_forward(hf, model.tokenizer(rec["corrupt"], return_tensors="pt").input_ids))
+            first = hf_forward(hf, ids)
+            cache = output_cache(first)
+            logits = [first.logits[0, -1].float()]
+            tokens = [int(logits[0].argmax())]
+            plain = hf_forward(hf, torch.tensor([tokens[:1]]), output_cache(hf_forward(hf, ids)), start=ids.shape[1])
+            for layer in linear:
+                state = hf_cache.recurrent_state(cache, layer)
+                assert state is not None
+                state.copy_(hf_cache.recurrent_state(donor, layer))
+            for k in (1, 2):
+                step = hf_forward(hf, torch.tensor([tokens[-1:]]), cache, start=ids.shape[1] + k - 1)
+                cache = output_cache(step)
+                logits.append(step.logits[0, -1].float())
+                tokens.append(int(logits[-1].argmax()))
+            assert [c["token_ids"] for c in out.continuations if c["record"] == i] == [tokens]
+            answer = model.tokenizer(rec["answer"]).input_ids[-1]
+            got = {r["step"]: r["value"] for r in out.rows
+                   if r["record"] == i and r["measure"] == "g.prob(facts.answer)"}
+            assert sorted(got) == [0, 1, 2]
+            for k, v in got.items():
+                assert v == pytest.approx(logits[k].softmax(-1)[answer].item(), abs=1e-5), (i, k)
+            moved += not torch.allclose(plain.logits[0, -1].float(), logits[1], atol=1e-4)
+    finally:
+        for k in names:
+            setattr(fam.module, k, saved[k])
+    assert moved  # the donor's state changed what the model does at step 1

@@ -304,3 +304,21 @@ def test_the_readme_is_a_front_page_and_its_links_resolve() -> None:
     assert len(text.splitlines()) <= 250
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
         assert (ROOT / target).exists(), target
+
+
+def test_the_readmes_save_comment_names_the_files_it_writes(tmp_path: Path) -> None:
+    """README's `results.save("out/")  # FILES` names what saving the results of the program on the line above
+    writes (a program that only measures writes no results.safetensors)."""
+    import re
+
+    import deltalang
+
+    lines = (ROOT / "README.md").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith('results.save("out/")'))
+    program = re.search(r'open\("([^"]+)"\)', lines[at - 1])
+    assert program is not None, lines[at - 1]
+    comment = lines[at].split("#", 1)[1]
+    shown = {f.strip() for f in re.sub(r"\(.*\)", "", comment).split(",")}  # (what a program that reads adds)
+    results = deltalang.run((ROOT / program.group(1)).read_text(), model=deltalang.load_model())
+    results.save(tmp_path / "out")
+    assert shown == {p.name for p in (tmp_path / "out").iterdir()}

@@ -65,3 +65,25 @@ def test_the_grammar_and_bundled_model_are_package_data() -> None:
     data = pyproject["tool"]["setuptools"]["package-data"]["deltalang"]
     assert "grammar/*.lark" in data and "bundled/model/*" in data
     assert (Path(deltalang.__file__).parent / "grammar" / "deltalang.lark").is_file()
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "qwen3_5"])
+def test_a_directory_without_tokenizer_files_says_so(family: str, capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path) -> None:
+    """A saved model whose tokenizer files were left behind: one line saying the directory has none (kimi_linear's
+    read "Couldn't instantiate the backend tokenizer from one of: " and stopped; qwen3_5's loaded an empty
+    tokenizer of one token and went on)."""
+    import shutil
+
+    src = tiny_checkpoint(family)
+    for f in src.iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, tmp_path / f.name)
+    capsys.readouterr()  # building the checkpoint's own lines
+    assert cli.main(["info", "--model", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert f"cannot load the tokenizer of '{tmp_path}': the directory has no tokenizer files" in err, err
+    assert "tokenizer.json" in err
+    with pytest.raises(DeltaModelError, match="has no tokenizer files"):
+        deltalang.load_spec(tmp_path)

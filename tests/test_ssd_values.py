@@ -671,3 +671,48 @@ def test_falcon_h1_with_its_gated_norm_serves_the_gate() -> None:
     _close(written, want, tol=1e-3)
     clean = _forward(truth_model, ids).logits
     assert float((written - clean).abs().max()) > 10 * float((written - want).abs().max())
+
+
+def test_a_kind_the_model_lacks_names_the_recurrent_blocks_it_has(tiny_spec: Any) -> None:
+    """`L[linear]` on a Mamba-2 model points at `L[ssm]`, and `L[ssm]` on a DeltaNet model at `L[linear]`:
+    the model's recurrent blocks by their selector, with their numbers."""
+    from deltalang.errors import DeltaError
+
+    for spec, text, want in (
+            (deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint("granitemoehybrid")), "read L[linear].state_output",
+             "the model has no linear blocks; its recurrent blocks are L[ssm]"),
+            (tiny_spec("qwen3_5"), "read L[ssm].state_output",
+             "the model has no ssm blocks; its recurrent blocks are L[linear]")):
+        with pytest.raises(DeltaError) as err:
+            deltalang.check(text, spec, prompt="abcdef")
+        line = str(err.value).splitlines()[0]
+        assert want in line, line
+        have = spec.ssm_layers() or spec.linear_layers()
+        assert ", ".join(f"L{i}" for i in have) in line, line
+
+
+def test_info_names_nemotron_h_moe_blocks_moe(tmp_path: Any) -> None:
+    """nemotron_h's config names each block (`layers_block_type`): a `moe` block is a mixture of experts, shown
+    as MoE in `deltalang info` (it read MLP), its `mlp` blocks MLP; neither has a recurrent value."""
+    import json
+    import shutil
+
+    from deltalang import info
+    from deltalang.explain import describe_model
+
+    src = testing_ssd.tiny_ssd_checkpoint("nemotron_h")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    kinds = ["linear_attention", "moe", "full_attention", "mlp"]
+    config["layers_block_type"] = config["layer_types"] = kinds
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = deltalang.load_spec(tmp_path)
+    assert list(spec.layer_types) == kinds
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in info.format_info(spec).splitlines() if line.startswith("│ L")}
+    assert (rows["L1"], rows["L3"]) == ("MoE", "MLP"), rows
+    assert info.status(spec, 1, "states") != info.AVAILABLE
+    assert "a MoE block" in str(spec.unavailable(1, "states")) and "an MLP block" in str(spec.unavailable(3, "states"))
+    assert "; MLP L3; MoE L1)" in describe_model(spec)

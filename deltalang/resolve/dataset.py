@@ -5,7 +5,8 @@
                        measure logit_diff(facts.answer, facts.foil) }
 
 `expand(record)` rewrites the program into the one-prompt program a researcher would write for that record
-(the dataset a `prompt`, a donor field a prompt of its own read at the same position number, a field as a
+(the dataset a `prompt`, a donor field a prompt of its own read at the same position number, `from
+facts.corrupt.VALUE` that prompt's VALUE (`state_output`: the donor's state after its last token), a field as a
 position a quoted piece, a field as an answer that token), spans kept so errors point at the field.
 `check_over` checks what holds for every record first: one dataset, which runs and reads it allows, fields
 only inside runs on it and present in every record (else an error naming the first record without one).
@@ -40,6 +41,25 @@ def uses_dataset(program: ast.Program) -> bool:
     """Whether the program declares a dataset or names a field (then it runs per record)."""
     return any(isinstance(n, (ast.DatasetDecl, ast.Field)) or (isinstance(n, ast.RUN_TYPES) and "." in n.prompt)
                for n in ast.walk(program))
+
+
+def donor_field(node: ast.FromSource, ds_name: str, block_vars: set[str]) -> str | None:
+    """The field a `from` on the dataset names as its donor: `from facts.corrupt` (a field, known or not) or
+    `from facts.corrupt.state_output`, `from facts.corrupt.state_after(-1)` (the parser reads `corrupt` there as a
+    block, but no block is a bare name other than a sweep variable's); None for `from facts`, `from facts.L2.VALUE`."""
+    site = node.site
+    if node.run != ds_name or site is None:
+        return None
+    if site.block is None:
+        return site.value if site.value not in MODEL_VALUES and site.position is None else None
+    if isinstance(site.block, ast.BlockVar) and site.block.name not in block_vars:
+        return site.block.name
+    return None
+
+
+def sweep_vars(program: ast.Program) -> set[str]:
+    """Every sweep variable's name: a bare name used as a block there is that variable, not a field."""
+    return {a.var for i in program.items if isinstance(i, ast.Sweep) for a in i.axes}
 
 
 def on_dataset(run: Any, names: Any) -> str | None:
@@ -89,6 +109,7 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
         raise _fail(f"no data for the dataset '{ds_name}'", decls[ds_name].span if ds_name in decls else runs[0].span)
     ds = datasets[ds_name]
     inside = {id(n) for r in runs for n in ast.walk(r)}
+    block_vars = sweep_vars(program)
     used: list[tuple[str, Span]] = []
     needs = prompt_use(program, runs, ds_name)
     if needs is not None:
@@ -103,11 +124,11 @@ def check_over(program: ast.Program, datasets: Mapping[str, Dataset]) -> Dataset
     for item in program.items:
         if isinstance(item, ast.RUN_TYPES):
             for node in ast.walk(item.body):
-                if isinstance(node, ast.FromSource) and node.run == ds_name and on_dataset(item, names):
-                    site = node.site
-                    if site is not None and site.block is None and site.position is None and \
-                            site.value not in MODEL_VALUES:  # `from facts.corrupt`: a field, known or not
-                        used.append((site.value, site.span))
+                if isinstance(node, ast.FromSource) and on_dataset(item, names):
+                    field = donor_field(node, ds_name, block_vars)
+                    if field is not None and node.site is not None:
+                        span = node.site.span if node.site.block is None else node.site.block.span
+                        used.append((field, span))
     _check_fields(ds, used)
     return ds
 
@@ -120,10 +141,10 @@ def prompt_use(program: ast.Program, runs: list[Any], ds_name: str) -> Span | No
     bare = next((r for r in runs if "." not in r.prompt), None)
     if bare is not None:
         return bare.span
+    block_vars = sweep_vars(program)
     for node in ast.walk(program):
         if isinstance(node, ast.FromSource) and node.run == ds_name:
-            site = node.site
-            if site is None or site.block is not None or site.position is not None or site.value in MODEL_VALUES:
+            if donor_field(node, ds_name, block_vars) is None:
                 return node.span
         elif (isinstance(node, ast.KL) and node.run == ds_name) or \
                 (isinstance(node, ast.MeanSource) and ds_name in node.prompts) or isinstance(node, ast.FieldPos):
@@ -164,6 +185,8 @@ def expand(program: ast.Program, ds: Dataset, record: Record, spec: ModelSpec | 
     def donor(field: str) -> str:
         return donors.setdefault(field, field_prompt(program, ds, field))
 
+    block_vars = sweep_vars(program)
+
     def rewriter(run: Any) -> Callable[[Any], Any]:
         on_field = isinstance(run, ast.RUN_TYPES) and "." in run.prompt
 
@@ -177,9 +200,10 @@ def expand(program: ast.Program, ds: Dataset, record: Record, spec: ModelSpec | 
                 else:
                     pos = ast.PiecePos(record.fields[node.position.field], span=node.position.span)
                 return attrs.evolve(node, position=pos)
-            if (isinstance(node, ast.FromSource) and node.run == ds.name and node.site is not None
-                    and node.site.block is None and node.site.position is None and node.site.value in ds.fields):
-                return ast.FromSource(donor(node.site.value), None, span=node.span, at=_donor_piece(node.at, record))
+            field = donor_field(node, ds.name, block_vars) if isinstance(node, ast.FromSource) else None
+            if field is not None and field in ds.fields and node.site is not None:
+                site = None if node.site.block is None else attrs.evolve(node.site, block=None)  # its VALUE
+                return ast.FromSource(donor(field), site, span=node.span, at=_donor_piece(node.at, record))
             if isinstance(node, ast.FromSource) and isinstance(node.at, ast.Field):  # `from facts at facts.x`
                 return attrs.evolve(node, at=_donor_piece(node.at, record))
             if isinstance(node, ast.Axis) and isinstance(node.domain, ast.PosList) and isinstance(run, ast.Sweep):

@@ -17,6 +17,7 @@ import attrs
 from .. import ast, values
 from ..errors import Span
 from ..ir import HEAD_AXIS
+from ..spec import ModelSpec
 from ..tokens import PromptTokens
 from .scope import Ctx, Fail, Scope, Target
 
@@ -270,9 +271,16 @@ def bracket(scope: Scope, sel: ast.BlockList, n: int, blocks_note: str) -> list[
         else:
             got = scope.spec.layers_of(item.kind)
             if not got:
-                scope.fail(f"the model has no {item.kind} blocks", item.span)
+                scope.fail(f"the model has no {item.kind} blocks; {_kinds_it_has(scope.spec)}", item.span)
             chosen.update(got)
     return sorted(chosen)
+
+
+def _kinds_it_has(spec: ModelSpec) -> str:
+    """The model's recurrent blocks by their selector: `its recurrent blocks are L[ssm] (L0, L2)`."""
+    have = [(sel, spec.layers_of(sel)) for sel in ("linear", "ssm")]
+    shown = " and ".join(f"L[{sel}] ({', '.join(f'L{i}' for i in got)})" for sel, got in have if got)
+    return f"its recurrent blocks are {shown}" if shown else "it has no recurrent blocks"
 
 
 def block_var(scope: Scope, sel: ast.BlockVar, ctx: Ctx | None) -> list[int]:
