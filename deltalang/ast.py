@@ -159,11 +159,13 @@ class Site:
 @attrs.frozen
 class Reduce:
     """One reduction after a site: `.norm(AXES)` (no axes: every axis but b and s), `.mean(AXES)`,
-    `.head(K)` (after another reduction), `.project(load(FILE))`."""
+    `.head(K)` (after another reduction), `.project(load(FILE))`, and of a state's matrix `.svd(K)`,
+    `.rank(TOL)`, `.erank()`."""
 
-    kind: str  # "norm" | "mean" | "head" | "project"
+    kind: str  # "norm" | "mean" | "head" | "project" | "svd" | "rank" | "erank"
     axes: tuple[str, ...] = ()  # norm, mean: the axes as written
-    index: int | None = None  # head
+    index: int | None = None  # head; svd: how many singular values
+    tol: float | None = None  # rank: the tolerance relative to the largest singular value
     direction: Union["LoadSource", "Expr", None] = None  # project: a file, or arithmetic over means
     span: Span = _span()
 
@@ -610,9 +612,12 @@ def format_site(site: Site) -> str:
 
 
 def format_reduce(r: Reduce) -> str:
-    """`.norm(key_dim, value_dim)`, `.mean(positions)`, `.head(2)`, `.project(load("d.safetensors"))`."""
-    if r.kind == "head":
-        return f".head({r.index})"
+    """`.norm(key_dim, value_dim)`, `.mean(positions)`, `.head(2)`, `.project(load("d.safetensors"))`, `.svd(4)`,
+    `.rank(0.01)`, `.erank()`."""
+    if r.kind in ("head", "svd"):
+        return f".{r.kind}({r.index})"
+    if r.kind == "rank":
+        return f".rank({r.tol!r})"
     if r.kind == "project":
         assert r.direction is not None
         return f".project({format_expr(r.direction)})"

@@ -160,7 +160,7 @@ def _spell(spec: ModelSpec, text: str) -> tuple[str, ...]:
 def site(op: PlanOp) -> str:
     text = op.value if op.position is None else f"{op.value}({op.position})"
     if op.reduce is not None:  # computed in the forward: the steps, `states` a group of chunks at a time
-        text += "".join(f".{k}({a if k == 'head' else _reduce_arg(k, a)})" for k, a in op.reduce.steps)
+        text += "".join(f".{k}({_reduce_arg(k, a)})" for k, a in op.reduce.steps)
     if op.value == STATES_AS_RUN:
         text = "states (as the written forward ran)"
     where = "" if op.layer is None else f"L{op.layer}."
@@ -171,6 +171,8 @@ def site(op: PlanOp) -> str:
 def _reduce_arg(kind: str, arg: object) -> str:
     if kind == "project":  # a file, or means (`mean(a) - mean(b)`)
         return f"load({getattr(arg, 'shown', '')!r})" if hasattr(arg, "path") else getattr(arg, "shown", "")
+    if kind in ("head", "svd", "rank"):  # a number: the head, how many singular values, the tolerance
+        return repr(arg)
     return "" if arg is None else ", ".join(arg)  # type: ignore[call-overload]
 
 

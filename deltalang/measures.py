@@ -2,8 +2,8 @@
 
 Each takes next-token logits `[b, s, vocab]` (or `[b, vocab]`) and returns a float per prompt (a plain float
 for one); `norm` takes a read value; `top(logits, k)` returns a `TopK` (ids and probabilities, most likely
-first). A `Reduction` (`.head(k)`, `.norm(AXES)`, `.mean(AXES)`, `.project(D)`) is a chain of steps over a
-value's named axes, applied whole or streamed a block of positions at a time (`Reduction.stream`);
+first). A `Reduction` (`.head(k)`, `.norm(AXES)`, `.mean(AXES)`, `.project(D)`, and of a state's matrix
+`.svd(k)`, `.rank(tol)`, `.erank()`) is a chain of steps over a value's named axes, applied whole or streamed a block of positions at a time (`Reduction.stream`);
 `reduced_axes` says which axes a chain leaves. `arguments()` / `evaluate()` are the one dispatch from a
 measure's kind to its function, used by emitted code and the sweep engine alike.
 """
@@ -150,7 +150,11 @@ def top(logits: torch.Tensor, k: int) -> TopK:
 BATCH, POSITIONS = "b", "s"
 # `states` as the catalogue names its axes on a DeltaNet block and on a Mamba-2 block (`values.axes`)
 STATE_AXES = ((BATCH, POSITIONS, "heads", "key_dim", "value_dim"), (BATCH, POSITIONS, "heads", "head_dim", "d_state"))
-REDUCE_KINDS = ("head", "norm", "mean", "project")
+# a state's matrix: its two last axes (`key_dim, value_dim`; a Mamba-2 block's `head_dim, d_state`)
+MATRIX_AXES = (STATE_AXES[0][3:], STATE_AXES[1][3:])
+SINGULAR = "sv"  # the axis `.svd(k)` leaves: the k largest singular values, largest first
+SPECTRUM_KINDS = ("svd", "rank", "erank")  # the reductions of a state's matrix, each per head and token
+REDUCE_KINDS = ("head", "norm", "mean", "project", *SPECTRUM_KINDS)
 
 
 class ReductionError(DeltaValueError):
@@ -169,7 +173,13 @@ def step_axes(axes: Sequence[str], kind: str, arg: Any) -> tuple[str, ...]:
         return tuple(a for a in axes if a != "heads")
     if kind == "project":
         return tuple(a for a in axes if a in (BATCH, POSITIONS))
+    if kind in SPECTRUM_KINDS:
+        matrix = _matrix(axes, kind)
+        kept = tuple(a for a in axes if a not in matrix)
+        return (*kept, SINGULAR) if kind == "svd" else kept
     over = tuple(a for a in axes if a not in (BATCH, POSITIONS)) if arg is None else tuple(arg)
+    if kind == "norm" and arg is None and not over:  # the norm of one number (per prompt, per token): its size
+        return axes
     for a in over:
         if a == BATCH:
             raise ReductionError(f"{kind} over b: b is the batch axis, one result per prompt")
@@ -194,17 +204,55 @@ def _show(axes: Sequence[str]) -> str:
     return "[" + ", ".join(axes) + "]"
 
 
+def _matrix(axes: tuple[str, ...], kind: str) -> tuple[str, str]:
+    """The two axes of a state's matrix among `axes`; a `ReductionError` when the value has not both."""
+    for matrix in MATRIX_AXES:
+        if all(a in axes for a in matrix):
+            return matrix
+    raise ReductionError(f"{kind} takes a state's matrix (key_dim, value_dim; on a Mamba-2 block head_dim, d_state), "
+                         f"and this value's axes are {_show(axes)}")
+
+
+def singular_values(x: torch.Tensor, axes: tuple[str, ...]) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The singular values of each state matrix in `x` (float32, largest first) on a last axis `sv`, the matrix's
+    two axes gone: `torch.linalg.svdvals` over them."""
+    matrix = _matrix(axes, "svd")
+    kept = [i for i, a in enumerate(axes) if a not in matrix]
+    m = x.float().permute(*kept, axes.index(matrix[0]), axes.index(matrix[1]))
+    return torch.linalg.svdvals(m), (*(axes[i] for i in kept), SINGULAR)
+
+
+def spectrum(x: torch.Tensor, axes: tuple[str, ...], kind: str, arg: Any) -> torch.Tensor:
+    """`svd`: the `arg` largest singular values; `rank`: how many exceed `arg` times the largest (as
+    `torch.linalg.matrix_rank(rtol=arg)`; 0 for a zero matrix); `erank`: the effective rank, exp of the entropy of
+    the singular values normalised to sum 1 (Roy and Vetterli; 0 for a zero matrix). float32."""
+    sv, _ = singular_values(x, axes)
+    if kind == "svd":
+        return sv[..., : int(arg)]
+    top = sv[..., :1]
+    if kind == "rank":
+        return ((sv > float(arg) * top) & (top > 0)).sum(-1).float()
+    total = sv.sum(-1, keepdim=True)
+    p = sv / total.clamp_min(torch.finfo(sv.dtype).tiny)
+    entropy = -(p * torch.log(p.clamp_min(torch.finfo(sv.dtype).tiny))).sum(-1)
+    return torch.where(total[..., 0] > 0, entropy.exp(), torch.zeros_like(entropy))
+
+
 def _apply(x: torch.Tensor, axes: tuple[str, ...], kind: str, arg: Any) -> tuple[torch.Tensor, tuple[str, ...]]:
     """One step on a whole tensor whose axes are `axes`."""
     out = step_axes(axes, kind, None if kind == "project" else arg)
     if kind == "head":
         return x.select(axes.index("heads"), int(arg)), out
+    if kind in SPECTRUM_KINDS:
+        return spectrum(x, axes, kind, arg), out
     x = x.float()
     if kind == "project":
         dims = [i for i, a in enumerate(axes) if a not in (BATCH, POSITIONS)]
         d = arg.to(device=x.device, dtype=torch.float32)
         return (x * d).sum(dim=dims) if dims else x * d, out
     dims = [axes.index(a) for a in (arg if arg is not None else [a for a in axes if a not in (BATCH, POSITIONS)])]
+    if kind == "norm" and not dims:  # `.norm()` of one number per prompt (or token): its absolute value
+        return x.abs(), out
     if kind == "norm":
         return torch.linalg.vector_norm(x, dim=dims), out
     return x.mean(dim=dims), out
@@ -213,7 +261,8 @@ def _apply(x: torch.Tensor, axes: tuple[str, ...], kind: str, arg: Any) -> tuple
 class Reduction:
     """A chain of reduction steps over a value whose axes are `axes` (`b` first): `("head", 2)`,
     `("norm", ("key_dim", "value_dim"))` (None: every axis but `b` and `s`), `("mean", ("s",))`,
-    `("project", direction)` (a tensor of the value's shape without `b` and `s`; it contracts them all)."""
+    `("project", direction)` (a tensor of the value's shape without `b` and `s`; it contracts them all),
+    `("svd", k)`, `("rank", tol)`, `("erank", None)` (of the state's matrix: `spectrum`)."""
 
     def __init__(self, axes: Sequence[str], steps: Sequence[tuple[str, Any]]) -> None:
         self.axes, self.steps = tuple(axes), [(k, _direction(a) if k == "project" else a) for k, a in steps]

@@ -33,7 +33,7 @@ STATEMENTS = ("read", "write", "measure", "route", "step", "trace", "generate", 
               "prompt", "prompts", "dataset", "model")
 KEYWORDS = frozenset(STATEMENTS + ("on", "over", "in", "max_new_tokens", "as", "from", "at"))
 MEASURES = ("prob", "logit_diff", "kl", "norm", "rank", "top", "project")
-REDUCTIONS = ("head", "norm", "mean", "project")  # `SITE.norm(...)` etc.: reductions after a site
+REDUCTIONS = ("head", "norm", "mean", "project", "svd", "rank", "erank")  # `SITE.norm(...)` etc.: reductions after a site
 KERNELS = ("torch", "default")
 BLOCK_KINDS = ("linear", "ssm", "attention")  # delta-rule, Mamba-2 and attention blocks
 
@@ -876,9 +876,31 @@ class _Builder:
             if not isinstance(head, ast.IntPos):
                 self.fail("head(...) after another reduction takes a head number", sp)
             return ast.Reduce("head", index=head.value, span=sp)
+        if kind in ("svd", "rank", "erank"):
+            return self.spectrum(kind, arglist, sp)
         if kind == "mean" or arglist:
             return ast.Reduce(kind, self.axis_names(arglist, seg, kind), span=sp)
         return ast.Reduce(kind, span=sp)
+
+    def spectrum(self, kind: str, arglist: list[Any], sp: Span) -> ast.Reduce:
+        """`.svd(K)` (K >= 1), `.rank(TOL)` (a number >= 0, relative to the largest singular value), `.erank()`."""
+        usage = {"svd": "svd(k) takes how many singular values, a whole number from 1: L1.state_output.svd(4)",
+                 "rank": "rank(tol) takes a tolerance relative to the largest singular value: L1.state_output.rank(0.01)",
+                 "erank": "erank() takes nothing: L1.state_output.erank(), the effective rank"}[kind]
+        if kind == "erank":
+            if arglist:
+                self.fail(usage, sp)
+            return ast.Reduce(kind, span=sp)
+        tok = arglist[0] if len(arglist) == 1 else None
+        if not isinstance(tok, Token) or tok.type not in (("INT",) if kind == "svd" else ("INT", "FLOAT")):
+            self.fail(usage, sp)
+        if kind == "svd":
+            if int(tok.value) < 1:
+                self.fail(usage, self.span(tok))
+            return ast.Reduce(kind, index=int(tok.value), span=sp)
+        if float(tok.value) < 0:
+            self.fail(usage, self.span(tok))
+        return ast.Reduce(kind, tol=float(tok.value), span=sp)
 
     def string_args(self, args: list[Any], n: int, fn: str, sp: Span) -> list[ast.Text]:
         shape = {"prob": 'prob(" Paris")', "rank": 'rank(" Paris")', "logit_diff": 'logit_diff(" Paris", " Rome")'}

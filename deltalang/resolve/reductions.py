@@ -1,5 +1,5 @@
 """Reductions of reads and measures: `SITE.norm(AXES)`, `.mean(AXES)`, `.head(K)`, `.project(load(F))`,
-`norm(SITE, over=[AXES])`, `project(SITE, load(F))`.
+`.svd(K)`, `.rank(TOL)`, `.erank()` (of a state's matrix), `norm(SITE, over=[AXES])`, `project(SITE, load(F))`.
 
 `reduced_read()` gives a read op its `ir.Reduce`, `reduced_measures()` the measures; both check every step
 against the value's axes (`values.axes`, the catalogue's shape names on the target's block kind: a Mamba-2
@@ -101,7 +101,7 @@ def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast
         steps.append(("head", t.head))
     have = measures.reduced_axes(axes, steps)
     for i, r in enumerate(chain):
-        arg: Any = r.index if r.kind == "head" else None
+        arg: Any = r.index if r.kind in ("head", "svd") else r.tol if r.kind == "rank" else None
         if r.kind in ("norm", "mean") and r.axes:
             arg = tuple(ALIASES.get(a, a) for a in r.axes)
         try:
@@ -111,6 +111,13 @@ def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast
         if r.kind == "head" and not 0 <= r.index < sizes["heads"]:  # type: ignore[operator]
             mixer = "Mamba-2 blocks" if kind == values.SSM else "DeltaNet blocks"
             scope.fail(f"no head {r.index}: this model's {mixer} have {sizes['heads']} value heads", r.span)
+        if r.kind == "svd":
+            matrix = [a for a in have if a not in after]
+            most = min(sizes.get(a) or 0 for a in matrix)
+            if r.index > most:  # type: ignore[operator]
+                scope.fail(f"svd({r.index}): a state matrix [{', '.join(f'{a}={sizes.get(a)}' for a in matrix)}] has "
+                           f"{most} singular values", r.span)
+            sizes = {**sizes, measures.SINGULAR: r.index}
         if r.kind == "project":
             assert r.direction is not None
             contracted = [a for a in have if a not in ("b", "s")]
