@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
+from deltalang import display
 from deltalang.ir import SweepAxis
 from deltalang.results import Results, named_shape
 from deltalang.sweep import run_sweep
@@ -48,7 +49,7 @@ def test_summary_names_axes_and_the_norm(model: deltalang.DeltaModel) -> None:
     b, h, k, v = state.shape
     line = next(x for x in lines if x.startswith("t.L0.state_output "))
     assert f"[b={b}, heads={h}, key_dim={k}, value_dim={v}]" in line
-    assert f"‖·‖F {float(state.float().norm()):.4f}" in line  # the Frobenius norm over every axis
+    assert f"‖·‖F {display.number(float(state.float().norm()))}" in line  # the Frobenius norm over every axis
     assert f"[b={b}, s=" in next(x for x in lines if x.startswith("t.L0.states "))
     assert "heads=" in next(x for x in lines if x.startswith("t.L0.betas "))
     assert "per token, ‖·‖F over heads, key_dim, value_dim:" in next(x for x in lines if "norm(L0.states)" in x)

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import attrs
 
+from .. import display
 from ..errors import DeltaWarning, Span, warn
 from ..ir import ResolvedRun, SweepAxis
 from ..model import DeltaModel
@@ -85,17 +86,17 @@ class SweepTable:
 def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
     """Each token of the run's prompt as text, spaces shown as '␣'."""
     tok = model.tokenizer
-    return tuple((tok.decode([i]) or "?").replace(" ", "␣").replace("\n", "⏎") for i in run.token_ids)
+    return tuple(display.token(tok.decode([i])) for i in run.token_ids)
 
 
 def _fmt(x: float, kind: str = "") -> str:
-    return "nan" if math.isnan(x) else f"{for_display(kind, x):.3g}"
+    return display.number(for_display(kind, x))
 
 
 def signed(x: float) -> str:
     """An estimate or effect with its sign and three significant digits (-0.000412, +1.2e-07): a fixed count of
-    decimals shows the small effects of a saturated measure as +-0.0000."""
-    return f"{x:+.3g}"
+    decimals shows the small effects of a saturated measure as +-0.0000 (`display.signed`)."""
+    return display.signed(x)
 
 
 SATURATED = 0.99  # a prob at or above this (or at or below 1 - this) at the clean run
