@@ -92,8 +92,8 @@ def _cells(item: object) -> list[list[str]]:
 
 def test_sweep_tables_show_kl_noise_as_zero() -> None:
     grid = {(L, t): (-2e-9 if (L, t) == (1, 2) else 0.5) for L in (0, 1) for t in (0, 1, 2)}
-    kl = _cells(render_tables(_table("kl", grid))[0])
-    diff = _cells(render_tables(_table("logit_diff", grid))[0])
+    kl = _cells(render_tables(_table("kl", grid))[1])
+    diff = _cells(render_tables(_table("logit_diff", grid))[1])
     # the longer axis (t: 3 positions) down the rows
     assert [r[0] for r in kl] == ["0 a", "1 b", "2 c"]
     assert kl[2][2] == "0" and diff[2][2] == "-2e-09"
@@ -102,7 +102,7 @@ def test_sweep_tables_show_kl_noise_as_zero() -> None:
 def test_heatmap_is_oriented_like_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     grid = {(L, t): 10 * L + t for L in (0, 1) for t in (0, 1, 2)}
     table = _table("prob", {k: float(v) for k, v in grid.items()})
-    shown = _cells(render_tables(table)[0])
+    shown = _cells(render_tables(table)[1])
     # the table: positions (the longer axis) down, blocks across
     assert [r[0] for r in shown] == ["0 a", "1 b", "2 c"]
     assert [[float(x) for x in r[1:]] for r in shown] == [[float(grid[(L, t)]) for L in (0, 1)] for t in (0, 1, 2)]

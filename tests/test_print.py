@@ -49,3 +49,61 @@ def test_no_module_formats_a_table_number_with_fixed_decimals() -> None:
     found = [f"{p.relative_to(ROOT)}: {m[0]}" for p in (ROOT / "deltalang").rglob("*.py") if p.name not in allowed
              for m in fixed.finditer(p.read_text(encoding="utf-8"))]
     assert not found, found
+
+
+def _rendered(items: list[object], width: int) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True)
+    for item in items:
+        console.print(item)
+    return console.export_text()
+
+
+def test_a_title_never_wraps_inside_a_measure() -> None:
+    from deltalang.ir import SweepAxis
+    from deltalang.sweep.job import ResultRow
+    from deltalang.sweep.table import SweepTable, render_tables
+
+    m = 'logit_diff(" Paris", " Rome")'
+    two = (SweepAxis("L", "block", (0, 1), (0, 1)), SweepAxis("h", "head", (0, 1), (0, 1)))
+    rows = [ResultRow("heads", i, (("L", L), ("h", h)), m, None, 0.5) for i, (L, h) in
+            enumerate((L, h) for L in (0, 1) for h in (0, 1))]
+    one = (SweepAxis("L", "block", (0, 1), (0, 1)),)
+    rows1 = [ResultRow("heads", i, (("L", L),), m, None, 0.5) for i, L in enumerate((0, 1))]
+    for width in (80, 200):
+        for table in (SweepTable("heads", two, ("a", "b"), [m], rows, kinds={m: "logit_diff"}),
+                      SweepTable("heads", one, ("a", "b"), [m], rows1, kinds={m: "logit_diff"})):
+            text = _rendered(render_tables(table), width)
+            assert m in text, text
+
+
+def test_tables_show_tokens_one_way() -> None:
+    """A per-token read and an attribution table show a token as the sweep tables do: `␣the`."""
+    from deltalang.sweep.attribution import Attribution, AttributionRow
+
+    table = Attribution("s", ["plain"], "plain", [AttributionRow(0, 1, " the", "m", {"plain": 0.5})], {}).table()
+    assert "␣the" in table and "'" not in table.splitlines()[-1], table
+
+
+ATTR = """prompt clean = "The Eiffel Tower is in the city of"
+prompt other = "The Leaning Tower is in the city of"
+sweep s on clean over L in L[linear], t in 1..8 method attribution steps 0 {
+    write L.state_after(t) from other
+    measure logit_diff(" Paris", " Pisa")
+}
+"""
+
+
+def test_a_one_prompt_attribution_sweep_writes_its_heatmap_and_says_what_it_left_out(tmp_path: Path) -> None:
+    from test_cli import cli
+
+    (tmp_path / "attr.dl").write_text(ATTR, encoding="utf-8")
+    rc, out, err = cli("sweep", tmp_path / "attr.dl", "--out", tmp_path / "d")
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.png")) == ["s-logit_diff_Paris_Pisa.png"], err
+    body = [line for line in out.splitlines() if line.startswith("L")]
+    cells = len((tmp_path / "d" / "attribution.csv").read_text(encoding="utf-8").splitlines()) - 1
+    assert cells > 20
+    assert len(body) == 20 and f"20 of {cells} cells" in out and "attribution.csv" in out, out
+    assert "␣the" in out and "'Ġthe'" not in out, out
