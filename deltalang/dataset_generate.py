@@ -128,8 +128,7 @@ class DatasetGeneration:
                            [(self.dataset.where(self.dataset.records[c["record"]]), c["run"], repr(c["text"]))
                             for c in self.continuations[:20]], title=f"'{self.dataset.name}': continuations")
         stats = html.table(["measure", "step", "mean", "std", "n", "95% CI"],
-                           [(s.measure, s.step, f"{s.mean:.4f}", f"{s.std:.4f}", s.n,
-                             f"[{s.ci_low:.4f}, {s.ci_high:.4f}]") for s in self.stats], right=(2, 3, 4, 5))
+                           [(s.measure, s.step, *html.stats_cells(s)) for s in self.stats], right=(2, 3, 4, 5))
         return conts + stats
 
 

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+from . import display
 from .errors import DeltaError
 from .shard_file import sync
 from .html import NotebookProgress, ProgressDisplay
@@ -39,7 +40,8 @@ CSV_NAME, META_NAME, PARTIAL_NAME = "results.csv", "progress.json", "results.par
 def format_stats(s: Any) -> str:
     """`mean 1.2345  std 0.1234  n 24  95% CI [1.1, 1.3]`: the statistics of a `MeasureStats` (or anything with
     its fields: a generate's per-step statistics), as every summary prints them."""
-    return f"mean {s.mean:.4f}  std {s.std:.4f}  n {s.n}  95% CI [{s.ci_low:.4f}, {s.ci_high:.4f}]"
+    n = display.number
+    return f"mean {n(s.mean)}  std {n(s.std)}  n {s.n}  95% CI [{n(s.ci_low)}, {n(s.ci_high)}]"
 
 
 def program_meta(source: str, model_id: str, **fields: Any) -> dict[str, Any]:

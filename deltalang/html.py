@@ -16,6 +16,8 @@ import time
 from collections.abc import Container, Iterable, Sequence
 from typing import Any, Self
 
+from . import display
+
 # the few styles a table needs, inline so that a sanitised renderer keeps them
 _CELL = "text-align:{align};vertical-align:top"
 _PROGRESS_EVERY_S = 0.25  # at most this often an update of the progress output (the last one always)
@@ -87,13 +89,19 @@ def summary_table(summary: str, names: Sequence[str], *, title: str | None = Non
     return table(["result", "value"], rows, title=title, caption=" ".join(notes) or None)
 
 
+def stats_cells(s: Any) -> tuple[str, str, int, str]:
+    """mean, std, n, 95% CI of a `MeasureStats` (or anything with its fields) as table cells (`display.number`)."""
+    n = display.number
+    return n(s.mean), n(s.std), s.n, f"[{n(s.ci_low)}, {n(s.ci_high)}]"
+
+
 def dataset_table(results: Any) -> str:
     """A `DatasetResults` as HTML: per-measure statistics, then the records left out (if any)."""
     ds = results.dataset
     n = len(ds.records)
     ran = n - len(results.skipped)
     stats = table(["measure", "mean", "std", "n", "95% CI"],
-                  [(s.measure, f"{s.mean:.4f}", f"{s.std:.4f}", s.n, f"[{s.ci_low:.4f}, {s.ci_high:.4f}]")
+                  [(s.measure, *stats_cells(s))
                    for s in results.stats],
                   title=f"{ran} of {n} records of '{ds.name}'", right=(1, 2, 3, 4))
     if not results.skipped:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from . import html
+from . import display, html
 from .errors import DeltaError
 from .measures import TopK
 from .model import DeltaModel
@@ -66,10 +66,10 @@ def for_display(kind: str, value: float) -> float:
 
 
 def shown_value(kind: str, value: Any) -> str:
-    """A measure's value as the summary prints it (`for_display`, 6 significant digits)."""
+    """A measure's value as the summary prints it (`for_display`, `display.MEASURE_DIGITS` significant digits)."""
     if not isinstance(value, float):
         return str(value)
-    return "nan" if math.isnan(value) else f"{for_display(kind, value):.6g}"
+    return display.number(for_display(kind, value), display.MEASURE_DIGITS)
 
 
 class Results(Mapping[str, Any]):
@@ -117,7 +117,8 @@ class Results(Mapping[str, Any]):
     def _top_text(self, v: TopK) -> str:
         """`' Paris' 0.412, ' Rome' 0.120` (token ids without a tokenizer); prompts apart by ` | `."""
         tok = self._model.tokenizer if self._model is not None else None
-        return " | ".join(", ".join(f"{tok.decode([i])!r} {p:.3g}" if tok is not None else f"{i} {p:.3g}"
+        return " | ".join(", ".join(f"{display.token(tok.decode([i]))} {display.number(p, 3)}" if tok is not None
+                                    else f"{i} {display.number(p, 3)}"
                                     for i, p in row) for row in v.rows())
 
     @property
@@ -128,6 +129,15 @@ class Results(Mapping[str, Any]):
         tok = self._model.tokenizer
         return {k: [tok.decode(row) for row in v.tolist()] for k, v in self.tensors.items()
                 if self._kind(k) == "tokens"}
+
+    def _token(self, piece: str) -> str:
+        """A token the tokenizer spells `piece` ('ĠTower'), as tables show tokens (`display.token`: `␣Tower`)."""
+        tok = self._model.tokenizer if self._model is not None else None
+        try:
+            text = tok.convert_tokens_to_string([piece]) if tok is not None else piece
+        except (AttributeError, KeyError, TypeError, ValueError):
+            text = piece
+        return display.token(text)
 
     def _kind(self, key: str) -> str:
         return self._kinds.get(key) or key.rsplit(".", 1)[-1]
@@ -150,17 +160,17 @@ class Results(Mapping[str, Any]):
                 p = v.float()
                 for row in range(p.shape[0]):
                     vals, ids = p[row].topk(min(top, p.shape[-1]))
-                    best = ", ".join(f"{tok.decode([i])!r} {x:.3f}" for x, i in zip(vals.tolist(), ids.tolist()))
+                    best = ", ".join(f"{display.token(tok.decode([i]))} {display.number(x, 3)}" for x, i in zip(vals.tolist(), ids.tolist()))
                     lines.append(f"{k:48} top: {best}")
             elif self._kind(k) == "norm" and v.dim() == 2 and k in self._labels:
                 over = ", ".join(axis_names("states", 5, block)[2:])  # type: ignore[index]
                 lines.append(f"{k:48} per token, {NORM} over {over}:")
                 for label, x in zip(self._labels[k], v[0].tolist()):
-                    lines.append(f"    {label!r:14} {x:.4f}")
+                    lines.append(f"    {self._token(label):14} {display.number(x)}")
             else:
                 normed = True
                 shape = named_shape(self._kind(k), v.shape, re.search(r"\.head\(\d+\)$", k) is not None, block)
-                lines.append(f"{k:48} {NORM} {float(v.float().norm()):<10.4f} {shape}")
+                lines.append(f"{k:48} {NORM} {display.number(float(v.float().norm())):<10} {shape}")
         if normed:
             lines.append(f"({NORM}: the Frobenius norm over every axis of the tensor)")
         return "\n".join(lines)

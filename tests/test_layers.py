@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "deltalang"
 # module (dotted, relative to deltalang; a package covers its modules) -> layer
 LAYERS: dict[str, int] = {
     "errors": 1, "values": 1, "families": 1, "measures": 1, "bundled": 1, "testing": 1, "testing_ssd": 1, "version": 1,
-    "datasets": 1, "lexer": 1, "html": 1, "compat": 1, "internals": 1, "quiet": 1, "shard_file": 1, "allocator": 1,
+    "datasets": 1, "lexer": 1, "html": 1, "display": 1, "compat": 1, "internals": 1, "quiet": 1, "shard_file": 1, "allocator": 1,
     "spec": 2, "tokens": 2,
     "ast": 3, "parse": 3, "ir": 3, "resolve": 3, "check": 3,
     "plan": 4, "batches": 4, "directions": 4, "emit": 4, "explain": 4,

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
+from deltalang import display
 from deltalang.ir import SweepAxis
 from deltalang.results import Results, named_shape
 from deltalang.sweep import run_sweep
@@ -48,7 +49,7 @@ def test_summary_names_axes_and_the_norm(model: deltalang.DeltaModel) -> None:
     b, h, k, v = state.shape
     line = next(x for x in lines if x.startswith("t.L0.state_output "))
     assert f"[b={b}, heads={h}, key_dim={k}, value_dim={v}]" in line
-    assert f"‖·‖F {float(state.float().norm()):.4f}" in line  # the Frobenius norm over every axis
+    assert f"‖·‖F {display.number(float(state.float().norm()))}" in line  # the Frobenius norm over every axis
     assert f"[b={b}, s=" in next(x for x in lines if x.startswith("t.L0.states "))
     assert "heads=" in next(x for x in lines if x.startswith("t.L0.betas "))
     assert "per token, ‖·‖F over heads, key_dim, value_dim:" in next(x for x in lines if "norm(L0.states)" in x)
@@ -91,8 +92,8 @@ def _cells(item: object) -> list[list[str]]:
 
 def test_sweep_tables_show_kl_noise_as_zero() -> None:
     grid = {(L, t): (-2e-9 if (L, t) == (1, 2) else 0.5) for L in (0, 1) for t in (0, 1, 2)}
-    kl = _cells(render_tables(_table("kl", grid))[0])
-    diff = _cells(render_tables(_table("logit_diff", grid))[0])
+    kl = _cells(render_tables(_table("kl", grid))[1])
+    diff = _cells(render_tables(_table("logit_diff", grid))[1])
     # the longer axis (t: 3 positions) down the rows
     assert [r[0] for r in kl] == ["0 a", "1 b", "2 c"]
     assert kl[2][2] == "0" and diff[2][2] == "-2e-09"
@@ -101,7 +102,7 @@ def test_sweep_tables_show_kl_noise_as_zero() -> None:
 def test_heatmap_is_oriented_like_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     grid = {(L, t): 10 * L + t for L in (0, 1) for t in (0, 1, 2)}
     table = _table("prob", {k: float(v) for k, v in grid.items()})
-    shown = _cells(render_tables(table)[0])
+    shown = _cells(render_tables(table)[1])
     # the table: positions (the longer axis) down, blocks across
     assert [r[0] for r in shown] == ["0 a", "1 b", "2 c"]
     assert [[float(x) for x in r[1:]] for r in shown] == [[float(grid[(L, t)]) for L in (0, 1)] for t in (0, 1, 2)]

@@ -15,6 +15,7 @@ running such a sweep. How to read and when to trust the estimates: docs/attribut
 from __future__ import annotations
 
 import csv
+import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from .. import gradients
+from .. import display, gradients
 from ..compiled import Experiment
 from ..ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
 from ..model import DeltaModel
@@ -31,7 +32,8 @@ from .errors import DeltaSweepError
 from .job import measure_label
 from .paths import (PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward,
                     reused_capture, whole_passes)
-from .table import signed, warn_saturated
+from .plots import colour_label, heatmap, slug
+from .table import decoded_tokens, left_out, signed, warn_saturated
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
@@ -63,7 +65,7 @@ class AttributionRow:
 
     block: int
     position: int
-    token: str
+    token: str  # decoded (' the'); tables show it as `display.token` does (`␣the`)
     measure: str
     estimates: dict[str, float]
     exact: float | None = None
@@ -93,14 +95,28 @@ class Attribution:
         """The cells of largest |default estimate|, estimates and exact side by side, as text."""
         head = ["block", "pos", "token", "measure", *self.variants, "exact"]
         rows = sorted(self.rows, key=lambda r: -abs(r.estimates[self.default]))[:top]
-        body = [[f"L{r.block}", str(r.position), repr(r.token), r.measure,
+        body = [[f"L{r.block}", str(r.position), display.token(r.token), r.measure,
                  *(signed(r.estimates[v]) for v in self.variants),
                  "" if r.exact is None else signed(r.exact)] for r in rows]
         widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *body]]
         note = (f"sweep {self.sweep}: estimated effect M(patched) - M(clean) per cell; {describe(self.default)} "
                 f"is the default; exact: the sweep engine's patch (refined cells)")
-        return "\n".join([note, *lines])
+        return "\n".join([note, *lines, *left_out(len(rows), len(self.rows), "cells", "attribution.csv")])
+
+    def heatmaps(self, directory: str | Path) -> list[Path]:
+        """A heatmap per measure of the default estimate, blocks down and positions across (as a dataset
+        attribution writes its own): `DIR/SWEEP-MEASURE.png`."""
+        blocks, positions = sorted({r.block for r in self.rows}), sorted({r.position for r in self.rows})
+        xs = [f"{p} {display.token(t)}" for p, t in sorted({(r.position, r.token) for r in self.rows})]
+        out = []
+        for m in dict.fromkeys(r.measure for r in self.rows):
+            est, kind = self.grid(m), m.split("(")[0]
+            grid = [[est.get((b, p), math.nan) for p in positions] for b in blocks]
+            out.append(heatmap(grid, xs, [f"L{b}" for b in blocks], f"{self.sweep}: {m}, {self.default} estimate",
+                               "t", "L", Path(directory) / f"{self.sweep}-{slug(m)}.png", kind=kind,
+                               label=colour_label(m, kind)))
+        return out
 
     def write_csv(self, path: str | Path) -> Path:
         """One line per cell and measure: block, position, token, measure, each variant, exact."""
@@ -442,7 +458,7 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
     est = estimates(model, target, clean, donors, runs, ends.clean_end)
     variants = list(next(iter(runs.values())).keys())
     default = variants[-1]
-    tokens = target.sweep.tokens
+    tokens = decoded_tokens(model, target.sweep)
     rows = [AttributionRow(b, p, tokens[p], measure_label(m), {v: est[(measure_label(m), v)][(b, p)] for v in variants})
             for m in target.measures for b, p in target.cells]
     clean_values = {measure_label(m): float(measure_of(m, runs[measure_label(m)]["plain"][0].result)[0])
@@ -459,6 +475,7 @@ def attribute(exp: Experiment, *, steps: int | None = None, refine: int = 0, out
         refine_cells(exp, target, result, [(r.block, r.position) for r in top], engine)
     if out is not None:
         result.files.append(result.write_csv(Path(out) / "attribution.csv"))
+        result.files.extend(result.heatmaps(out))
     return result
 
 

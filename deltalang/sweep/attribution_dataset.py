@@ -37,7 +37,7 @@ from .attribution import (Attribution, AttributionRow, Target, attribute, check_
                           refine_cells, target_of)
 from .job import measure_label
 from .plots import colour_label, heatmap, slug
-from .table import signed
+from .table import decoded_tokens, left_out, signed
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -127,7 +127,7 @@ class DatasetAttribution:
         note = (f"sweep {self.sweep}: estimated effect M(patched) - M(clean) per cell, mean over the records; "
                 f"{describe(self.default)} is the default; exact: the sweep engine's patch on every record "
                 f"(refined cells), its mean")
-        return "\n".join([note, *lines])
+        return "\n".join([note, *lines, *left_out(len(cells), len(self.cells), "cells", "summary.csv")])
 
     def summary(self) -> str:
         """Records run and left out, the note on the variants, then `table()` (every refined cell in it)."""
@@ -216,7 +216,7 @@ def attribute_records(programs: Sequence[RecordProgram], ds: Dataset, skipped: t
     targets = [_each(ds, p, partial(target_of, e)) for p, e in zip(programs, exps, strict=True)]
     if phase is not None and phase.name == "refine":  # the estimates saved in phase one, the top of every shard's
         rows, variants, default, note = list(phase.rows), phase.variants, phase.default, phase.note
-        got = [_saved(t, variants, default, phase.clean[p.record.index]) for p, t in zip(programs, targets)]
+        got = [_saved(model, t, variants, default, phase.clean[p.record.index]) for p, t in zip(programs, targets)]
         top = list(phase.top)
     else:
         got, rows, note = _estimate_all(ds, programs, exps, targets, model, steps, path, console, on_record)
@@ -322,10 +322,12 @@ def top_cells(rows: Sequence[dict[str, Any]], axes: Axes, default: str, refine: 
     return sorted(means, key=lambda pt: -abs(means[pt]))[:refine]
 
 
-def _saved(t: Target, variants: Sequence[str], default: str, clean: Mapping[str, float]) -> Attribution:
+def _saved(model: DeltaModel, t: Target, variants: Sequence[str], default: str,
+           clean: Mapping[str, float]) -> Attribution:
     """A record's attribution as phase two refines it: the rows `attribute` makes (no estimates: those are saved
     rows) and the clean measures phase one kept."""
-    rows = [AttributionRow(b, pos, t.sweep.tokens[pos], measure_label(m), {}) for m in t.measures
+    tokens = decoded_tokens(model, t.sweep)
+    rows = [AttributionRow(b, pos, tokens[pos], measure_label(m), {}) for m in t.measures
             for b, pos in t.cells]
     return Attribution(t.sweep.name, list(variants), default, rows, dict(clean))
 

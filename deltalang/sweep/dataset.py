@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .. import ast
+from .. import ast, display
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
 from ..dataset_store import RecordProgress, RecordStore, format_stats, open_store, write_long_csv, write_summary
@@ -124,7 +124,7 @@ class DatasetSweepResults:
                     lines.append(f"{sweep}: {m}, mean over records ({axes[0][0]} down, {axes[1][0]} across)")
                     width = max(8, *(len(c) for c in cols))
                     lines.append(" " * 8 + "".join(f"{c:>{width + 1}}" for c in cols))
-                    lines.extend(f"{r:8}" + "".join(f"{x:>{width + 1}.3f}" for x in row) for r, row in zip(rows, grid))
+                    lines.extend(f"{r:8}" + "".join(f"{display.number(x):>{width + 1}}" for x in row) for r, row in zip(rows, grid))
                 else:
                     for c in self.stats:
                         if c.sweep == sweep and c.stats.measure == m:

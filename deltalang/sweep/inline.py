@@ -12,12 +12,11 @@ is written outside a temporary directory, removed before returning.
 
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import html
+from .. import display, html
 from ..results import for_display
 from .plots import colour_label, heatmap, plot_table, slug
 from .store import CSV_NAME
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def _fmt(x: float, kind: str) -> str:
-    return "nan" if math.isnan(x) else f"{for_display(kind, x):.3g}"
+    return display.number(for_display(kind, x))
 
 
 def grids_html(table: SweepTable, limit: int = 40) -> str:
@@ -87,7 +86,7 @@ def outcome_html(outcome: Any) -> str:
 
 
 def _stats_row(s: Any) -> tuple[str, str, int, str]:
-    return f"{s.mean:.4f}", f"{s.std:.4f}", s.n, f"[{s.ci_low:.4f}, {s.ci_high:.4f}]"
+    return html.stats_cells(s)
 
 
 def dataset_sweep_html(results: Any) -> str:

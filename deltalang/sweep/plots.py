@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import display
 from ..results import for_display
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def heatmap(grid: Sequence[Sequence[float]], xlabels: Sequence[str], ylabels: Se
         for (y, x), v in np.ndenumerate(data):
             if math.isfinite(v):
                 r, g, b, _ = image.cmap(image.norm(v))
-                ax.text(x, y, f"{for_display(kind, v):.2g}", ha="center", va="center", fontsize=6,
+                ax.text(x, y, display.number(for_display(kind, v), 2), ha="center", va="center", fontsize=6,
                         color="black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white")
     fig.tight_layout()
     fig.savefig(path)

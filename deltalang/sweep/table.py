@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import attrs
 
+from .. import display
 from ..errors import DeltaWarning, Span, warn
 from ..ir import ResolvedRun, SweepAxis
 from ..model import DeltaModel
@@ -82,20 +83,32 @@ class SweepTable:
         return table_html(self)
 
 
-def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
-    """Each token of the run's prompt as text, spaces shown as '␣'."""
+def decoded_tokens(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
+    """Each token of the run's prompt decoded (`' the'`), as stored (an attribution's CSV)."""
     tok = model.tokenizer
-    return tuple((tok.decode([i]) or "?").replace(" ", "␣").replace("\n", "⏎") for i in run.token_ids)
+    return tuple(tok.decode([i]) for i in run.token_ids)
+
+
+def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
+    """Each token of the run's prompt as every table shows it (`display.token`: `␣the`)."""
+    return tuple(display.token(t) for t in decoded_tokens(model, run))
 
 
 def _fmt(x: float, kind: str = "") -> str:
-    return "nan" if math.isnan(x) else f"{for_display(kind, x):.3g}"
+    return display.number(for_display(kind, x))
 
 
 def signed(x: float) -> str:
     """An estimate or effect with its sign and three significant digits (-0.000412, +1.2e-07): a fixed count of
-    decimals shows the small effects of a saturated measure as +-0.0000."""
-    return f"{x:+.3g}"
+    decimals shows the small effects of a saturated measure as +-0.0000 (`display.signed`)."""
+    return display.signed(x)
+
+
+def left_out(shown: int, total: int, what: str, where: str) -> list[str]:
+    """The line a table ends with when it shows `shown` of `total` rows: how many and where the rest are."""
+    if shown >= total:
+        return []
+    return [f"(the {shown} of {total} {what} of largest |estimate|; every one in {where} with --out DIR)"]
 
 
 SATURATED = 0.99  # a prob at or above this (or at or below 1 - this) at the clean run
@@ -121,6 +134,14 @@ def warn_saturated(clean: Mapping[str, float], spans: Mapping[str, Span], source
                           filename=filename))
 
 
+def _title(text: str) -> Any:
+    """A table's title on its own line, never wrapped (a measure's text, `logit_diff(" Paris", " Rome")`, stays
+    whole: Rich wraps a table's own title to the table's width)."""
+    from rich.text import Text
+
+    return Text(text, style="italic", no_wrap=True, overflow="ignore")
+
+
 def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
     """Rich tables of a sweep: a grid per measure for two axes, one table for one axis, else a long list."""
     from rich.table import Table
@@ -133,7 +154,8 @@ def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
     elif len(axes) == 2:
         a, b = table.grid_axes()
         for m in measures_:
-            t = Table(title=f"{table.name}: {m}", title_justify="left")
+            t = Table()
+            out.append(_title(f"{table.name}: {m}"))
             t.add_column(f"{a.var} \\ {b.var}")
             for v in b.values:
                 t.add_column(table.label(b, v), justify="right")
@@ -142,20 +164,22 @@ def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
             out.append(t)
     elif len(axes) == 1:
         (a,) = axes
-        t = Table(title=table.name, title_justify="left")
+        t = Table()
+        out.append(_title(table.name))
         t.add_column(a.var)
         for m in measures_:
-            t.add_column(m, justify="right")
+            t.add_column(m, justify="right", no_wrap=True)
         grids = [table.grid(m) for m in measures_]
         for u in a.values:
             t.add_row(table.label(a, u), *(_fmt(g[(u,)], table.kind(m)) if (u,) in g else ""
                                            for m, g in zip(measures_, grids)))
         out.append(t)
     else:
-        t = Table(title=table.name, title_justify="left")
+        t = Table()
+        out.append(_title(table.name))
         for a in axes:
             t.add_column(a.var)
-        t.add_column("measure")
+        t.add_column("measure", no_wrap=True)
         t.add_column("value", justify="right")
         shown = [r for r in table.rows if r.position is None]
         for r in shown[:limit]:

@@ -1,0 +1,109 @@
+"""What deltalang prints (issue 38): numbers with significant digits and never a negative zero in every table,
+tokens shown one way, titles never wrapped inside a measure, the emitted script printing what `run` prints,
+a one-prompt attribution sweep's heatmap and its table saying what it left out."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from deltalang.dataset_run import MeasureStats
+from deltalang.dataset_store import format_stats
+from deltalang.results import Results
+
+ROOT = Path(__file__).parents[1]
+NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
+
+
+def _close(shown: str, value: float) -> bool:
+    return abs(float(shown) - value) <= 1e-3 * abs(value)
+
+
+def test_a_small_norm_is_shown_with_significant_digits() -> None:
+    value = torch.full((1, 2, 4, 4), 4.18e-06 / 8)  # a Frobenius norm of 4.18e-06
+    line = Results({"s4": value}).summary().splitlines()[0]
+    (shown, *_) = NUMBER.findall(line.split("‖·‖F", 1)[1])
+    assert _close(shown, float(value.norm())), line
+
+
+def test_a_small_std_is_shown_with_significant_digits() -> None:
+    text = format_stats(MeasureStats("m", 1.0, 6.1e-06, 24, 1.0 - 2.6e-06, 1.0 + 2.6e-06))
+    std = re.search(r"std (\S+)", text)[1]  # type: ignore[index]
+    assert _close(std, 6.1e-06), text
+
+
+def test_no_table_prints_a_negative_zero() -> None:
+    text = format_stats(MeasureStats("m", -0.0, 0.0, 2, -0.0, 0.0))
+    per_token = Results({"n": torch.tensor([[-0.0, 1.0]])}, kinds={"n": "norm"},
+                        token_labels={"n": ("a", "b")}).summary()
+    assert "-0" not in text and "-0" not in per_token, text + per_token
+
+
+def test_no_module_formats_a_table_number_with_fixed_decimals() -> None:
+    """Every table's numbers go through deltalang.display: no `:.4f`-like format outside it (times and
+    sizes excepted: they are not measured values)."""
+    fixed = re.compile(r"\{[^{}]*:[<>^]?\d*\.\d+f\}")
+    allowed = {"cli.py", "collect.py", "html.py", "driver.py"}  # seconds, bytes, cells/s
+    found = [f"{p.relative_to(ROOT)}: {m[0]}" for p in (ROOT / "deltalang").rglob("*.py") if p.name not in allowed
+             for m in fixed.finditer(p.read_text(encoding="utf-8"))]
+    assert not found, found
+
+
+def _rendered(items: list[object], width: int) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True)
+    for item in items:
+        console.print(item)
+    return console.export_text()
+
+
+def test_a_title_never_wraps_inside_a_measure() -> None:
+    from deltalang.ir import SweepAxis
+    from deltalang.sweep.job import ResultRow
+    from deltalang.sweep.table import SweepTable, render_tables
+
+    m = 'logit_diff(" Paris", " Rome")'
+    two = (SweepAxis("L", "block", (0, 1), (0, 1)), SweepAxis("h", "head", (0, 1), (0, 1)))
+    rows = [ResultRow("heads", i, (("L", L), ("h", h)), m, None, 0.5) for i, (L, h) in
+            enumerate((L, h) for L in (0, 1) for h in (0, 1))]
+    one = (SweepAxis("L", "block", (0, 1), (0, 1)),)
+    rows1 = [ResultRow("heads", i, (("L", L),), m, None, 0.5) for i, L in enumerate((0, 1))]
+    for width in (80, 200):
+        for table in (SweepTable("heads", two, ("a", "b"), [m], rows, kinds={m: "logit_diff"}),
+                      SweepTable("heads", one, ("a", "b"), [m], rows1, kinds={m: "logit_diff"})):
+            text = _rendered(render_tables(table), width)
+            assert m in text, text
+
+
+def test_tables_show_tokens_one_way() -> None:
+    """A per-token read and an attribution table show a token as the sweep tables do: `␣the`."""
+    from deltalang.sweep.attribution import Attribution, AttributionRow
+
+    table = Attribution("s", ["plain"], "plain", [AttributionRow(0, 1, " the", "m", {"plain": 0.5})], {}).table()
+    assert "␣the" in table and "'" not in table.splitlines()[-1], table
+
+
+ATTR = """prompt clean = "The Eiffel Tower is in the city of"
+prompt other = "The Leaning Tower is in the city of"
+sweep s on clean over L in L[linear], t in 1..8 method attribution steps 0 {
+    write L.state_after(t) from other
+    measure logit_diff(" Paris", " Pisa")
+}
+"""
+
+
+def test_a_one_prompt_attribution_sweep_writes_its_heatmap_and_says_what_it_left_out(tmp_path: Path) -> None:
+    from test_cli import cli
+
+    (tmp_path / "attr.dl").write_text(ATTR, encoding="utf-8")
+    rc, out, err = cli("sweep", tmp_path / "attr.dl", "--out", tmp_path / "d")
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.png")) == ["s-logit_diff_Paris_Pisa.png"], err
+    body = [line for line in out.splitlines() if line.startswith("L")]
+    cells = len((tmp_path / "d" / "attribution.csv").read_text(encoding="utf-8").splitlines()) - 1
+    assert cells > 20
+    assert len(body) == 20 and f"20 of {cells} cells" in out and "attribution.csv" in out, out
+    assert "␣the" in out and "'Ġthe'" not in out, out
