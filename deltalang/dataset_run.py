@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import attrs
 
 from . import ast, html
-from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, layer_of, \
-    prepare, run_group, slots_of
+from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, prepare, \
+    reads_of, run_group, slots_of
 from .collection import Collection
 from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generate_groups, generates, run_generate
@@ -259,8 +259,8 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
     first = run(groups[0]) if groups else None
     if first is not None:
         assert groups[0][0].resolved is not None
-        values, layers = layer_of(groups[0][0].resolved, labels[groups[0][0].record.index])
-        slots = slots_of(next(iter(first.values.values())), values, layers, model.spec.family.block_kind)
+        ops = reads_of(groups[0][0].resolved, labels[groups[0][0].record.index])
+        slots = slots_of(next(iter(first.values.values())), ops, model.spec.family.block_kind)
         check_fits(Path(out), estimate(first, groups, slots), sum(len(g) for g in groups))
     else:
         slots = []

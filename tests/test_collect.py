@@ -265,3 +265,58 @@ def test_the_probe_notebook_runs_and_prints_its_accuracies() -> None:
     assert re.search(rf"\(450, {len(linear)}, \d+, \d+, \d+\) from \d+ shard", text)
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert any("collected 450 of 450 records" in o.get("data", {}).get("text/plain", "") for o in outputs)
+
+
+REDUCED = {  # a reduced read of one shape in every record, on a delta-rule and a Mamba-2 model: (model, kind, axes)
+    "gated_deltanet": (deltalang.bundled.NAME, "linear", ("key_dim", "value_dim"), ["heads"]),
+    "mamba2": (deltalang.bundled.MAMBA2_NAME, "ssm", ("head_dim", "d_state"), ["heads"]),
+}
+
+
+@pytest.mark.parametrize("family", list(REDUCED))
+def test_a_reduced_read_of_one_shape_is_stacked_with_its_axes(tmp_path: Path, family: str) -> None:
+    """`.norm(...)` of the state after the subject and `.mean(positions)` of every token's state have one shape in
+    every record: one tensor per shard (record axis first), axes in the manifest, `stack()` gives them; each
+    record's value is the reduction of transformers' cached states (after each prefix)."""
+    from safetensors import safe_open
+
+    from deltalang.testing_ssd import ssd_mixers
+
+    name, kind, pair, left = REDUCED[family]
+    model = deltalang.load_model(name)
+    hf = load_hf(deltalang.bundled.MODELS[name], dtype=torch.float32).eval()
+    layers = [i for i, _ in ssd_mixers(hf)] if kind == "ssm" else model.spec.linear_layers()
+    records = RECORDS[:3]
+    (tmp_path / "facts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    source = (f'dataset facts = "facts.jsonl"\ntrace t on facts {{\n'
+              f'    read L[{kind}].state_after(facts.subject).norm({", ".join(pair)}) as n\n'
+              f'    read L{layers[0]}.states.mean(positions) as m\n'
+              f'    read L{layers[0]}.state_after(facts.subject).head(1) as h\n}}\n')
+    (tmp_path / "p.dl").write_text(source, encoding="utf-8")
+    col = run_dataset(source, model, filename=str(tmp_path / "p.dl"), out=tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "collection.json").read_text())
+    reads = {r["label"]: r for r in manifest["reads"]}
+    assert reads[f"n.L{layers[0]}"]["axes"] == ["record", *left] and not reads[f"n.L{layers[0]}"]["per_record"]
+    assert reads["m"]["axes"] == ["record", "heads", *pair] and not reads["m"]["per_record"]
+    assert reads["h"]["axes"] == ["record", *pair] and not reads["h"]["per_record"]
+    with safe_open(str(tmp_path / "out" / manifest["shards"][0]), "pt") as f:
+        assert f"n.L{layers[0]}" in f.keys() and "m" in f.keys() and not any("@" in k for k in f.keys())
+    n, m = col.stack("n"), col.stack("m")
+    assert n.shape[:2] == (len(records), len(layers)) and m.shape[0] == len(records)
+    for r, rec in enumerate(records):
+        enc = model.tokenizer(rec["prompt"], return_offsets_mapping=True)
+        start = rec["prompt"].index(rec["subject"])
+        end = start + len(rec["subject"])
+        last = max(i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < end and b > start)
+        ids = torch.tensor([enc["input_ids"]])
+        with torch.no_grad():
+            caches = [output_cache(hf(ids[:, : t + 1], use_cache=True)) for t in range(ids.shape[1])]
+        got = col[r][1]
+        for j, layer in enumerate(layers):
+            want = caches[last].get_recurrent_state(layer)[0].float().flatten(-2).norm(dim=-1)
+            assert _close(n[r, j], want) and torch.equal(n[r, j], got[f"n.L{layer}"]), (r, layer)
+        head = caches[last].get_recurrent_state(layers[0])[0, 1].float()
+        assert _close(col.stack("h")[r], head) and torch.equal(col.stack("h")[r], got["h"]), r
+        mean = torch.stack([c.get_recurrent_state(layers[0])[0].float() for c in caches]).mean(0)
+        assert _close(m[r], mean) and torch.equal(m[r], got["m"]), r
+
