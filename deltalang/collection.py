@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset as TorchDataset
 
 from .collect import INDEX, KIND, MANIFEST, PROGRESS, human
+from .compat import pandas
 from .errors import DeltaError
 from .results import Results
 
@@ -125,7 +126,7 @@ class Collection:
 
     def to_pandas(self) -> Any:
         """The index, a row per record: record, line, the fields, shard, row, tokens (and its measures)."""
-        import pandas as pd
+        pd = pandas()
 
         return pd.DataFrame([{**_record(e), "shard": e["shard"], "row": e["row"], "tokens": e.get("tokens"),
                               **e.get("measures", {})} for e in self.records])
@@ -190,7 +191,7 @@ class SavedTable:
 
     def to_pandas(self) -> Any:
         """The CSV as written: long format, its columns."""
-        import pandas as pd
+        pd = pandas()
 
         return pd.read_csv(self.path, keep_default_na=False, na_values=[""], float_precision="round_trip")
 

@@ -23,6 +23,7 @@ import attrs
 from . import ast, html
 from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, prepare, \
     reads_of, run_group, slots_of
+from .compat import pandas
 from .collection import Collection
 from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generate_groups, generates, run_generate
@@ -119,7 +120,7 @@ class DatasetResults:
 
     def to_pandas(self) -> Any:
         """The rows as `results.csv` has them: long format, a row per record and measure."""
-        import pandas as pd
+        pd = pandas()
 
         return pd.DataFrame(list(self.rows), columns=["record", "line", *self.dataset.fields, "measure", "value"])
 

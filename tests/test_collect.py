@@ -320,3 +320,18 @@ def test_a_reduced_read_of_one_shape_is_stacked_with_its_axes(tmp_path: Path, fa
         mean = torch.stack([c.get_recurrent_state(layers[0])[0].float() for c in caches]).mean(0)
         assert _close(m[r], mean) and torch.equal(m[r], got["m"]), r
 
+
+
+def test_to_pandas_without_pandas_says_what_to_install(tmp_path: Path, model: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    source, filename = _program(tmp_path, RECORDS[:2])
+    col = run_dataset(source, model, filename=filename, out=tmp_path / "out")
+    saved = deltalang.load_results(tmp_path / "out")
+    one = deltalang.run('prompt p = "The Eiffel Tower is in"\ntrace t on p {\n    measure prob(" Paris")\n}\n', model)
+    measures = PROGRAM.replace("    read L[linear].state_after(facts.subject) as s\n    read L1.states\n", "")
+    ran = run_dataset(measures, model, filename=filename, out=tmp_path / "ds")
+    table = deltalang.load_results(tmp_path / "ds")
+    monkeypatch.setitem(sys.modules, "pandas", None)  # pandas not importable
+    for obj in (col, saved, one, ran, table):
+        with pytest.raises(DeltaError, match=r"^to_pandas\(\) needs pandas.*pip install pandas"):
+            obj.to_pandas()
