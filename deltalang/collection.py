@@ -10,7 +10,8 @@
 `to_pandas()` is the CSV as written); an unfinished run or a foreign directory is a DeltaError naming
 what is missing. A `Collection` reads shards lazily: `col[n]` is `(record, {label: tensor})`,
 `dataset(name)` a torch Dataset, `stack(name)` one tensor (refused, with the figures, for ragged values or
-more than half the available memory); a name is a label (`s.L0`) or an `as` name for its blocks.
+more than half the available memory); a name is a label (`s.L0`) or an `as` name for its blocks. Its
+`summary()` prints the reads and each record left out with its data-file line; `to_pandas()` (every one) needs pandas (`compat.pandas`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from .collect import INDEX, KIND, MANIFEST, PROGRESS, human
 from .compat import pandas
+from .datasets import Dataset, Record
 from .errors import DeltaError
 from .results import Results
 
@@ -140,8 +142,10 @@ class Collection:
             shape = "per record" if r["per_record"] else "[" + ", ".join(
                 f"{a}={n}" for a, n in zip((r.get("axes") or [])[1:] or ["?"] * len(r["shape"]), r["shape"])) + "]"
             lines.append(f"  {lab:46} {r.get('dtype')} {shape}" + (f" axes {r['axes']}" if r["per_record"] else ""))
-        if m.get("left_out"):
-            lines.append(f"left out {len(m['left_out'])} record(s) that do not resolve (summary.json says why)")
+        left = {e["record"]: e["line"] for e in m.get("left_out", [])}
+        ds = Dataset(m.get("dataset", ""), m.get("origin", ""),
+                     tuple(Record(i, left.get(i, 0), {}) for i in range(max(m.get("records", 0), max(left, default=-1) + 1))))
+        lines += ds.left_out_lines([(e["record"], e["why"]) for e in m.get("left_out", [])])
         return "\n".join(lines)
 
     def __repr__(self) -> str:

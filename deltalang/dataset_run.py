@@ -23,12 +23,12 @@ import attrs
 from . import ast, html
 from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, prepare, \
     reads_of, run_group, slots_of
-from .compat import pandas
 from .collection import Collection
+from .compat import pandas
 from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generate_groups, generates, run_generate
 from .dataset_store import (RecordProgress, RecordStore, format_stats, open_store, program_meta, write_long_csv,
-                            write_summary)
+                            write_summary, write_summary_json)
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, RecordsWarning, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
@@ -278,7 +278,7 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
         store.finish({"program": source, "program_sha256": meta["program_sha256"], "model": meta["model"],
                       "dataset": ds.name, "origin": ds.origin, "records": len(ds.records),
                       "left_out": [{"record": i, "line": ds.records[i].line, "why": why} for i, why in skipped]},
-                     lambda d: result._write(d) if rows else (d / "program.dl").write_text(source, encoding="utf-8"))
+                     lambda d: result._write(d) if rows else write_summary_json(d, {}, ds, skipped, source))
     except BaseException:
         store.abandon()
         raise

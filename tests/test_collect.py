@@ -321,6 +321,20 @@ def test_a_reduced_read_of_one_shape_is_stacked_with_its_axes(tmp_path: Path, fa
         assert _close(m[r], mean) and torch.equal(m[r], got["m"]), r
 
 
+def test_a_record_left_out_is_in_summary_json_with_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A collection (reads only, no measure) that leaves a record out writes the summary.json it names, and
+    its summary prints the record's data-file line and why."""
+    records = [RECORDS[0], dict(RECORDS[2], subject="Moon Base"), RECORDS[4]]
+    (tmp_path / "facts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    source = 'dataset facts = "facts.jsonl"\ntrace t on facts {\n    read L1.state_after(facts.subject) as s\n}\n'
+    (tmp_path / "p.dl").write_text(source, encoding="utf-8")
+    assert main(["run", str(tmp_path / "p.dl"), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(e["record"], e["line"]) for e in summary["left_out"]] == [(1, 2)] and "Moon Base" in \
+        summary["left_out"][0]["why"]
+    assert "left out 1 of 3 records" in out and f"{tmp_path / 'facts.jsonl'}:2: " in out and "Moon Base" in out
+
 
 def test_to_pandas_without_pandas_says_what_to_install(tmp_path: Path, model: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
