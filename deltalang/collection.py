@@ -11,7 +11,8 @@
 what is missing. A `Collection` reads shards lazily: `col[n]` is `(record, {label: tensor})`,
 `dataset(name)` a torch Dataset, `stack(name)` one tensor (refused, with the figures, for ragged values or
 more than half the available memory); a name is a label (`s.L0`) or an `as` name for its blocks. Its
-`summary()` prints the reads and each record left out with its data-file line; `to_pandas()` (every one) needs pandas (`compat.pandas`).
+`summary()` prints the reads, the measures' statistics (`summary.json`) and each record left out with its
+data-file line; `files()` what the run wrote; `to_pandas()` (every one) needs pandas (`compat.pandas`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import csv
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
@@ -27,6 +29,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from .collect import INDEX, KIND, MANIFEST, PROGRESS, human
 from .compat import pandas
+from .dataset_store import format_stats
 from .datasets import Dataset, Record
 from .errors import DeltaError
 from .results import Results
@@ -142,11 +145,22 @@ class Collection:
             shape = "per record" if r["per_record"] else "[" + ", ".join(
                 f"{a}={n}" for a, n in zip((r.get("axes") or [])[1:] or ["?"] * len(r["shape"]), r["shape"])) + "]"
             lines.append(f"  {lab:46} {r.get('dtype')} {shape}" + (f" axes {r['axes']}" if r["per_record"] else ""))
+        summary = _json(self.dir / "summary.json") or {}
+        lines += [f"{s['measure']:48} {format_stats(SimpleNamespace(**s))}" for s in summary.get("measures", [])]
         left = {e["record"]: e["line"] for e in m.get("left_out", [])}
         ds = Dataset(m.get("dataset", ""), m.get("origin", ""),
                      tuple(Record(i, left.get(i, 0), {}) for i in range(max(m.get("records", 0), max(left, default=-1) + 1))))
         lines += ds.left_out_lines([(e["record"], e["why"]) for e in m.get("left_out", [])])
         return "\n".join(lines)
+
+    def files(self) -> list[str]:
+        """The files the run wrote in DIR (its shards as one pattern, with their count)."""
+        names = sorted(p.name for p in self.dir.iterdir() if p.is_file())
+        shards = [n for n in names if n.startswith("shard-") and n.endswith(".safetensors")]
+        first = [n for n in (INDEX, PROGRESS) if n in names]
+        rest = [n for n in names if n not in (*shards, *first, MANIFEST)]
+        shown = [f"shard-*.safetensors ({len(shards)})"] if len(shards) > 1 else shards
+        return [*shown, *first, *rest, *([MANIFEST] if MANIFEST in names else [])]
 
     def __repr__(self) -> str:
         return "<deltalang Collection>\n" + _first_lines(self.summary())

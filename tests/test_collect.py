@@ -336,6 +336,25 @@ def test_a_record_left_out_is_in_summary_json_with_its_line(tmp_path: Path, caps
     assert "left out 1 of 3 records" in out and f"{tmp_path / 'facts.jsonl'}:2: " in out and "Moon Base" in out
 
 
+def test_a_collection_with_a_measure_prints_its_statistics_and_every_file(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`read ... as s` with `measure prob(facts.answer)`: the statistics a measure-only run prints, and the
+    closing `wrote` line names every file the run wrote."""
+    source, filename = _program(tmp_path)
+    measures = PROGRAM.replace("    read L[linear].state_after(facts.subject) as s\n    read L1.states\n", "")
+    (tmp_path / "m.dl").write_text(measures, encoding="utf-8")
+    assert main(["run", str(tmp_path / "m.dl")]) == 0
+    alone = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("t.prob(facts.answer)"))
+    assert main(["run", filename, "--out", str(tmp_path / "out")]) == 0
+    got = capsys.readouterr()
+    assert alone in got.out.splitlines(), got.out
+    wrote = next(line for line in got.err.splitlines() if line.startswith("wrote "))
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert {"results.csv", "summary.csv", "summary.json", "program.dl", "collection.json"} <= set(written)
+    assert all(name in wrote for name in written if not name.startswith("shard-")), (wrote, written)
+    assert all(name in wrote or "shard-*.safetensors" in wrote for name in written), (wrote, written)
+
+
 def test_to_pandas_without_pandas_says_what_to_install(tmp_path: Path, model: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     source, filename = _program(tmp_path, RECORDS[:2])
