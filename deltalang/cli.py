@@ -275,8 +275,7 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     print(out.summary())
     print(f"({time.perf_counter() - t0:.1f} s incl. model load)", file=sys.stderr)
     if args.out is not None:
-        files = out.files() if hasattr(out, "continuations") else FILES if not hasattr(out, "labels") else \
-            ("collection.json", "index.jsonl", "shard-*.safetensors")
+        files = out.files() if hasattr(out, "files") else FILES  # a generate's, a collection's: what it wrote
         print(wrote(args.out, args.shard, ", ".join(files)), file=sys.stderr)  # a shard: its part, how to merge
     return 0
 

@@ -28,7 +28,7 @@ from . import ast, shard_file
 from .dataset_store import RecordProgress
 from .datasets import Dataset
 from .errors import DeltaError
-from .ir import Named, Resolved, site_text
+from .ir import Named, Resolved, ResolvedOp, site_text
 from .resolve import RecordResolution
 from .results import axis_names
 from .values import DELTANET
@@ -57,6 +57,8 @@ class Slot:
     layer: int | None
     per_record: bool
     block: str = DELTANET  # the kind of the model's recurrent blocks: names the axes (a Mamba-2 state's)
+    # the value's axes as read, `b` first (a reduction's or one head's: `ir.Reduce.shape`); None: unnamed
+    axes: tuple[str, ...] | None = attrs.field(default=None, converter=lambda a: None if a is None else tuple(a))
 
 
 def read_label(program: ast.Program, run: str, op: Any) -> str:
@@ -101,14 +103,25 @@ class Collected:
     measures: dict[int, dict[str, float]]
 
 
-def slots_of(first: Mapping[str, torch.Tensor], values: Mapping[str, str], layers: Mapping[str, int | None],
-             block: str = DELTANET) -> list[Slot]:
-    """The labels of a record's values: per record when the value's axes have the record's tokens (`s`);
-    `block`: the kind of the model's recurrent blocks (`Family.block_kind`)."""
+def read_axes(op: ResolvedOp, ndim: int, block: str = DELTANET) -> tuple[str, ...] | None:
+    """The axes of a read's value as served (`ndim` of them, `b` first): a reduction's (`.norm(key_dim,
+    value_dim)`: `b, heads`), one head's (the value's without `heads`), else the catalogue's; None if unnamed."""
+    if op.reduce is not None:
+        return tuple(a for a, _ in op.reduce.shape)
+    names = axis_names(op.value, ndim + (op.head is not None), block)
+    if names is not None and op.head is not None:
+        names = [a for a in names if a != "heads"] if "heads" in names else None
+    return None if names is None else tuple(names)
+
+
+def slots_of(first: Mapping[str, torch.Tensor], ops: Mapping[str, ResolvedOp], block: str = DELTANET) -> list[Slot]:
+    """The labels of a record's values (`ops`: each label's read): per record when the value's axes have the
+    record's tokens (`s`) or are unnamed; `block`: the kind of the model's recurrent blocks (`Family.block_kind`)."""
     out = []
     for label, v in first.items():
-        names = axis_names(values[label], v.dim() + 1, block)
-        out.append(Slot(label, values[label], layers[label], names is None or "s" in names, block))
+        op = ops[label]
+        names = read_axes(op, v.dim() + 1, block)
+        out.append(Slot(label, op.value, op.layer, names is None or "s" in names, block, names))
     return out
 
 
@@ -278,7 +291,7 @@ class CollectStore:
             key = f"{s.label}@{first['record']}" if s.per_record else s.label
             sl = f.get_slice(key)
             shape, dtype = list(sl.get_shape()), sl.get_dtype()
-        full = axis_names(s.value, len(shape) + (1 if s.per_record else 0), s.block)
+        full = s.axes if s.axes is not None else axis_names(s.value, len(shape) + (1 if s.per_record else 0), s.block)
         axes = ["record", *full[1:]] if full is not None else None
         return {"shape": None if s.per_record else shape[1:], "axes": axes, "dtype": dtype}
 
@@ -344,15 +357,10 @@ def _key(name: str, k: str) -> str:
     return f"{run}{k}" + (f".{rest}" if rest else "")
 
 
-def layer_of(resolved: Resolved, labels: Mapping[str, str]) -> tuple[dict[str, str], dict[str, int | None]]:
-    """{label: value}, {label: block} of a record's reads (`labels`: its result names' labels)."""
-    values, layers = {}, {}
-    for run in resolved.runs:
-        for op in run.ops:
-            if op.kind == "read":
-                label = labels[op.result_name]
-                values[label], layers[label] = op.value, op.layer
-    return values, layers
+def reads_of(resolved: Resolved, labels: Mapping[str, str]) -> dict[str, ResolvedOp]:
+    """{label: read} of a record's reads (`labels`: its result names' labels)."""
+    return {labels[op.result_name]: op for run in resolved.runs for op in run.ops
+            if op.kind == "read" and op.result_name is not None}
 
 
 def collect_groups(program: ast.Program, ds: Dataset, groups: list[list[RecordResolution]], store: CollectStore,

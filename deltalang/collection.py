@@ -10,7 +10,9 @@
 `to_pandas()` is the CSV as written); an unfinished run or a foreign directory is a DeltaError naming
 what is missing. A `Collection` reads shards lazily: `col[n]` is `(record, {label: tensor})`,
 `dataset(name)` a torch Dataset, `stack(name)` one tensor (refused, with the figures, for ragged values or
-more than half the available memory); a name is a label (`s.L0`) or an `as` name for its blocks.
+more than half the available memory); a name is a label (`s.L0`) or an `as` name for its blocks. Its
+`summary()` prints the reads, the measures' statistics (`summary.json`) and each record left out with its
+data-file line; `files()` what the run wrote; `to_pandas()` (every one) needs pandas (`compat.pandas`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ import csv
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
 from .collect import INDEX, KIND, MANIFEST, PROGRESS, human
+from .compat import pandas
+from .dataset_store import format_stats
+from .datasets import Dataset, Record
 from .errors import DeltaError
 from .results import Results
 
@@ -125,7 +131,7 @@ class Collection:
 
     def to_pandas(self) -> Any:
         """The index, a row per record: record, line, the fields, shard, row, tokens (and its measures)."""
-        import pandas as pd
+        pd = pandas()
 
         return pd.DataFrame([{**_record(e), "shard": e["shard"], "row": e["row"], "tokens": e.get("tokens"),
                               **e.get("measures", {})} for e in self.records])
@@ -139,9 +145,22 @@ class Collection:
             shape = "per record" if r["per_record"] else "[" + ", ".join(
                 f"{a}={n}" for a, n in zip((r.get("axes") or [])[1:] or ["?"] * len(r["shape"]), r["shape"])) + "]"
             lines.append(f"  {lab:46} {r.get('dtype')} {shape}" + (f" axes {r['axes']}" if r["per_record"] else ""))
-        if m.get("left_out"):
-            lines.append(f"left out {len(m['left_out'])} record(s) that do not resolve (summary.json says why)")
+        summary = _json(self.dir / "summary.json") or {}
+        lines += [f"{s['measure']:48} {format_stats(SimpleNamespace(**s))}" for s in summary.get("measures", [])]
+        left = {e["record"]: e["line"] for e in m.get("left_out", [])}
+        ds = Dataset(m.get("dataset", ""), m.get("origin", ""),
+                     tuple(Record(i, left.get(i, 0), {}) for i in range(max(m.get("records", 0), max(left, default=-1) + 1))))
+        lines += ds.left_out_lines([(e["record"], e["why"]) for e in m.get("left_out", [])])
         return "\n".join(lines)
+
+    def files(self) -> list[str]:
+        """The files the run wrote in DIR (its shards as one pattern, with their count)."""
+        names = sorted(p.name for p in self.dir.iterdir() if p.is_file())
+        shards = [n for n in names if n.startswith("shard-") and n.endswith(".safetensors")]
+        first = [n for n in (INDEX, PROGRESS) if n in names]
+        rest = [n for n in names if n not in (*shards, *first, MANIFEST)]
+        shown = [f"shard-*.safetensors ({len(shards)})"] if len(shards) > 1 else shards
+        return [*shown, *first, *rest, *([MANIFEST] if MANIFEST in names else [])]
 
     def __repr__(self) -> str:
         return "<deltalang Collection>\n" + _first_lines(self.summary())
@@ -190,7 +209,7 @@ class SavedTable:
 
     def to_pandas(self) -> Any:
         """The CSV as written: long format, its columns."""
-        import pandas as pd
+        pd = pandas()
 
         return pd.read_csv(self.path, keep_default_na=False, na_values=[""], float_precision="round_trip")
 

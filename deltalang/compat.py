@@ -2,17 +2,20 @@
 
 - `SUPPORTED`: each dependency's range, as in pyproject.toml (`tests/test_compat.py` holds them together);
   docs/gpu.md, "Supported versions", says why each bound is where it is;
-- `check_versions()`: `UnsupportedVersion`, one line naming the installed version and the range tested.
+- `check_versions()`: `UnsupportedVersion`, one line naming the installed version and the range tested;
+- `pandas()`: the optional pandas every `to_pandas()` imports, or a DeltaError saying what to install.
 What differs between the releases inside the range is `deltalang.internals`'.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import DeltaModelError
+from .errors import DeltaError, DeltaModelError
 
 # package -> (oldest tested, first untested): pyproject.toml says `>=low,<high`; `high` is the minor after the newest
 # one CI runs (a new release is admitted once it passes there: docs/gpu.md, "Supported versions")
@@ -63,3 +66,12 @@ def check_versions() -> None:
         why = problem(package, installed(package))
         if why is not None:
             raise UnsupportedVersion(why)
+
+
+def pandas() -> Any:
+    """The pandas module for a `to_pandas()`; not installed (it is optional: the `test` extra holds it), one
+    line saying what to install."""
+    try:
+        return importlib.import_module("pandas")
+    except ImportError:
+        raise DeltaError("to_pandas() needs pandas, which is not installed: pip install pandas") from None

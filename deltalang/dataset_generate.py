@@ -21,6 +21,7 @@ import attrs
 
 from . import ast, html
 from .bundled import NAME
+from .compat import pandas
 from .compiled import Experiment
 from .dataset_store import RecordProgress, format_stats, open_store, write_long_csv, write_summary
 from .datasets import Dataset
@@ -93,7 +94,7 @@ class DatasetGeneration:
 
     def to_pandas(self) -> Any:
         """The rows as `results.csv` has them: long format, a row per record, measure and step."""
-        import pandas as pd
+        pd = pandas()
 
         df = pd.DataFrame(list(self.rows), columns=self.columns)
         df["step"] = pd.to_numeric(df["step"].replace("", None))  # a trace's empty step: NaN, as read back

@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import attrs
 
 from . import ast, html
-from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, layer_of, \
-    prepare, run_group, slots_of
+from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, prepare, \
+    reads_of, run_group, slots_of
 from .collection import Collection
+from .compat import pandas
 from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generate_groups, generates, run_generate
 from .dataset_store import (RecordProgress, RecordStore, format_stats, open_store, program_meta, write_long_csv,
-                            write_summary)
+                            write_summary, write_summary_json)
 from .datasets import Dataset, dataset_from_python, load_dataset
 from .errors import DeltaError, RecordsWarning, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
@@ -119,7 +120,7 @@ class DatasetResults:
 
     def to_pandas(self) -> Any:
         """The rows as `results.csv` has them: long format, a row per record and measure."""
-        import pandas as pd
+        pd = pandas()
 
         return pd.DataFrame(list(self.rows), columns=["record", "line", *self.dataset.fields, "measure", "value"])
 
@@ -259,8 +260,8 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
     first = run(groups[0]) if groups else None
     if first is not None:
         assert groups[0][0].resolved is not None
-        values, layers = layer_of(groups[0][0].resolved, labels[groups[0][0].record.index])
-        slots = slots_of(next(iter(first.values.values())), values, layers, model.spec.family.block_kind)
+        ops = reads_of(groups[0][0].resolved, labels[groups[0][0].record.index])
+        slots = slots_of(next(iter(first.values.values())), ops, model.spec.family.block_kind)
         check_fits(Path(out), estimate(first, groups, slots), sum(len(g) for g in groups))
     else:
         slots = []
@@ -277,7 +278,7 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
         store.finish({"program": source, "program_sha256": meta["program_sha256"], "model": meta["model"],
                       "dataset": ds.name, "origin": ds.origin, "records": len(ds.records),
                       "left_out": [{"record": i, "line": ds.records[i].line, "why": why} for i, why in skipped]},
-                     lambda d: result._write(d) if rows else (d / "program.dl").write_text(source, encoding="utf-8"))
+                     lambda d: result._write(d) if rows else write_summary_json(d, {}, ds, skipped, source))
     except BaseException:
         store.abandon()
         raise

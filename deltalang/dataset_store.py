@@ -8,7 +8,7 @@ A record's rows are synced before `DIR/progress.json` marks it done (with the pr
 and the options that change values), so an interrupted run loses no finished record and `resume`
 continues the same run only; without `resume` a directory holding an unfinished run is an error.
 `finish()` marks the run complete once the caller wrote its final files; `abandon()` removes what a run
-that finished no record wrote. Floats round-trip through `repr`. `write_long_csv` and `write_summary` are
+that finished no record wrote. Floats round-trip through `repr`. `write_long_csv` and `write_summary` (`write_summary_json`) are
 the one writer of `results.csv`, `summary.csv/json` and `program.dl`; `format_stats` the one form of a summary's statistics. `RecordProgress` is the progress
 line (rich; nothing without a console). Problems are DeltaErrors.
 """
@@ -196,6 +196,12 @@ def write_summary(directory: Path, header: Sequence[str], rows: Iterable[Sequenc
         w = csv.writer(f)
         w.writerow(header)
         w.writerows(rows)
+    write_summary_json(directory, summary, dataset, skipped, program)
+
+
+def write_summary_json(directory: Path, summary: Mapping[str, Any], dataset: Dataset,
+                       skipped: Sequence[tuple[int, str]], program: str) -> None:
+    """`summary.json` and `program.dl` of `write_summary` (a collection that measures nothing writes only these)."""
     whole = {"dataset": dataset.name, "origin": dataset.origin, "records": len(dataset.records), **summary,
              "left_out": [{"record": i, "line": dataset.records[i].line, "why": why} for i, why in skipped]}
     (directory / "summary.json").write_text(json.dumps(whole, indent=2, allow_nan=True) + "\n", encoding="utf-8")

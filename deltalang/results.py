@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from . import display, html
+from .compat import pandas
 from .errors import DeltaError
 from .measures import TopK
 from .model import DeltaModel
@@ -183,7 +184,7 @@ class Results(Mapping[str, Any]):
 
     def to_pandas(self) -> Any:
         """The measures that are numbers as rows (`result`, `value`); tensors stay in `tensors`."""
-        import pandas as pd
+        pd = pandas()
 
         return pd.DataFrame([{"result": k, "value": float(v)} for k, v in self.measures.items()],
                             columns=["result", "value"])

@@ -265,3 +265,106 @@ def test_the_probe_notebook_runs_and_prints_its_accuracies() -> None:
     assert re.search(rf"\(450, {len(linear)}, \d+, \d+, \d+\) from \d+ shard", text)
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert any("collected 450 of 450 records" in o.get("data", {}).get("text/plain", "") for o in outputs)
+
+
+REDUCED = {  # a reduced read of one shape in every record, on a delta-rule and a Mamba-2 model: (model, kind, axes)
+    "gated_deltanet": (deltalang.bundled.NAME, "linear", ("key_dim", "value_dim"), ["heads"]),
+    "mamba2": (deltalang.bundled.MAMBA2_NAME, "ssm", ("head_dim", "d_state"), ["heads"]),
+}
+
+
+@pytest.mark.parametrize("family", list(REDUCED))
+def test_a_reduced_read_of_one_shape_is_stacked_with_its_axes(tmp_path: Path, family: str) -> None:
+    """`.norm(...)` of the state after the subject and `.mean(positions)` of every token's state have one shape in
+    every record: one tensor per shard (record axis first), axes in the manifest, `stack()` gives them; each
+    record's value is the reduction of transformers' cached states (after each prefix)."""
+    from safetensors import safe_open
+
+    from deltalang.testing_ssd import ssd_mixers
+
+    name, kind, pair, left = REDUCED[family]
+    model = deltalang.load_model(name)
+    hf = load_hf(deltalang.bundled.MODELS[name], dtype=torch.float32).eval()
+    layers = [i for i, _ in ssd_mixers(hf)] if kind == "ssm" else model.spec.linear_layers()
+    records = RECORDS[:3]
+    (tmp_path / "facts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    source = (f'dataset facts = "facts.jsonl"\ntrace t on facts {{\n'
+              f'    read L[{kind}].state_after(facts.subject).norm({", ".join(pair)}) as n\n'
+              f'    read L{layers[0]}.states.mean(positions) as m\n'
+              f'    read L{layers[0]}.state_after(facts.subject).head(1) as h\n}}\n')
+    (tmp_path / "p.dl").write_text(source, encoding="utf-8")
+    col = run_dataset(source, model, filename=str(tmp_path / "p.dl"), out=tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "collection.json").read_text())
+    reads = {r["label"]: r for r in manifest["reads"]}
+    assert reads[f"n.L{layers[0]}"]["axes"] == ["record", *left] and not reads[f"n.L{layers[0]}"]["per_record"]
+    assert reads["m"]["axes"] == ["record", "heads", *pair] and not reads["m"]["per_record"]
+    assert reads["h"]["axes"] == ["record", *pair] and not reads["h"]["per_record"]
+    with safe_open(str(tmp_path / "out" / manifest["shards"][0]), "pt") as f:
+        assert f"n.L{layers[0]}" in f.keys() and "m" in f.keys() and not any("@" in k for k in f.keys())
+    n, m = col.stack("n"), col.stack("m")
+    assert n.shape[:2] == (len(records), len(layers)) and m.shape[0] == len(records)
+    for r, rec in enumerate(records):
+        enc = model.tokenizer(rec["prompt"], return_offsets_mapping=True)
+        start = rec["prompt"].index(rec["subject"])
+        end = start + len(rec["subject"])
+        last = max(i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a and a < end and b > start)
+        ids = torch.tensor([enc["input_ids"]])
+        with torch.no_grad():
+            caches = [output_cache(hf(ids[:, : t + 1], use_cache=True)) for t in range(ids.shape[1])]
+        got = col[r][1]
+        for j, layer in enumerate(layers):
+            want = caches[last].get_recurrent_state(layer)[0].float().flatten(-2).norm(dim=-1)
+            assert _close(n[r, j], want) and torch.equal(n[r, j], got[f"n.L{layer}"]), (r, layer)
+        head = caches[last].get_recurrent_state(layers[0])[0, 1].float()
+        assert _close(col.stack("h")[r], head) and torch.equal(col.stack("h")[r], got["h"]), r
+        mean = torch.stack([c.get_recurrent_state(layers[0])[0].float() for c in caches]).mean(0)
+        assert _close(m[r], mean) and torch.equal(m[r], got["m"]), r
+
+
+def test_a_record_left_out_is_in_summary_json_with_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A collection (reads only, no measure) that leaves a record out writes the summary.json it names, and
+    its summary prints the record's data-file line and why."""
+    records = [RECORDS[0], dict(RECORDS[2], subject="Moon Base"), RECORDS[4]]
+    (tmp_path / "facts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    source = 'dataset facts = "facts.jsonl"\ntrace t on facts {\n    read L1.state_after(facts.subject) as s\n}\n'
+    (tmp_path / "p.dl").write_text(source, encoding="utf-8")
+    assert main(["run", str(tmp_path / "p.dl"), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(e["record"], e["line"]) for e in summary["left_out"]] == [(1, 2)] and "Moon Base" in \
+        summary["left_out"][0]["why"]
+    assert "left out 1 of 3 records" in out and f"{tmp_path / 'facts.jsonl'}:2: " in out and "Moon Base" in out
+
+
+def test_a_collection_with_a_measure_prints_its_statistics_and_every_file(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`read ... as s` with `measure prob(facts.answer)`: the statistics a measure-only run prints, and the
+    closing `wrote` line names every file the run wrote."""
+    source, filename = _program(tmp_path)
+    measures = PROGRAM.replace("    read L[linear].state_after(facts.subject) as s\n    read L1.states\n", "")
+    (tmp_path / "m.dl").write_text(measures, encoding="utf-8")
+    assert main(["run", str(tmp_path / "m.dl")]) == 0
+    alone = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("t.prob(facts.answer)"))
+    assert main(["run", filename, "--out", str(tmp_path / "out")]) == 0
+    got = capsys.readouterr()
+    assert alone in got.out.splitlines(), got.out
+    wrote = next(line for line in got.err.splitlines() if line.startswith("wrote "))
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert {"results.csv", "summary.csv", "summary.json", "program.dl", "collection.json"} <= set(written)
+    assert all(name in wrote for name in written if not name.startswith("shard-")), (wrote, written)
+    assert all(name in wrote or "shard-*.safetensors" in wrote for name in written), (wrote, written)
+
+
+def test_to_pandas_without_pandas_says_what_to_install(tmp_path: Path, model: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    source, filename = _program(tmp_path, RECORDS[:2])
+    col = run_dataset(source, model, filename=filename, out=tmp_path / "out")
+    saved = deltalang.load_results(tmp_path / "out")
+    one = deltalang.run('prompt p = "The Eiffel Tower is in"\ntrace t on p {\n    measure prob(" Paris")\n}\n', model)
+    measures = PROGRAM.replace("    read L[linear].state_after(facts.subject) as s\n    read L1.states\n", "")
+    ran = run_dataset(measures, model, filename=filename, out=tmp_path / "ds")
+    table = deltalang.load_results(tmp_path / "ds")
+    monkeypatch.setitem(sys.modules, "pandas", None)  # pandas not importable
+    for obj in (col, saved, one, ran, table):
+        with pytest.raises(DeltaError, match=r"^to_pandas\(\) needs pandas.*pip install pandas"):
+            obj.to_pandas()

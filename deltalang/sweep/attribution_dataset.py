@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .. import html
+from ..compat import pandas
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, stats_of
 from ..dataset_store import RecordProgress, write_long_csv, write_summary
@@ -155,7 +156,7 @@ class DatasetAttribution:
 
     def to_pandas(self) -> Any:
         """The rows in long format, as results.csv has them (its columns: a row per record, cell, measure, variant)."""
-        import pandas as pd
+        pd = pandas()
 
         cols = self.columns()
         return pd.DataFrame([{k: r.get(k, "") for k in cols} for r in self.rows], columns=cols)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .. import ast, display
+from ..compat import pandas
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
 from ..dataset_store import RecordProgress, RecordStore, format_stats, open_store, write_long_csv, write_summary
@@ -150,7 +151,7 @@ class DatasetSweepResults:
 
     def to_pandas(self) -> Any:
         """The rows in long format, as results.csv has them (its columns, one row per record, cell and measure)."""
-        import pandas as pd
+        pd = pandas()
 
         cols = self.columns()
         return pd.DataFrame([{k: r.get(k, "") for k in cols} for r in self.rows], columns=cols)
