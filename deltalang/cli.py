@@ -258,8 +258,6 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     from .compiled import model_for
     from .dataset_run import FILES, load_datasets, run_dataset
     from .parse import parse
-    from .shards import wrote
-
     refuse_over_dataset(args, source, filename)  # --prompt; --align without a sweep
     t0 = time.perf_counter()
     datasets = load_datasets(source, filename, None)  # the data's errors before a model loads
@@ -273,10 +271,18 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
                       datasets=datasets, out=args.out, resume=bool(getattr(args, "resume", False)),
                       console=Console(stderr=True), shard=args.shard)
     print(out.summary())
+    files = out.files() if hasattr(out, "files") else FILES  # a generate's, a collection's: what it wrote
+    return _closing(args, t0, ", ".join(files))
+
+
+def _closing(args: argparse.Namespace, t0: float, files: str, estimated: bool = False) -> int:
+    """The last lines of a run or sweep over a dataset: its time, then where it wrote (`shards.wrote`: a shard's
+    part, how many shards are done and how to merge; `estimated`: a sharded refine's phase 1)."""
+    from .shards import wrote
+
     print(f"({time.perf_counter() - t0:.1f} s incl. model load)", file=sys.stderr)
     if args.out is not None:
-        files = out.files() if hasattr(out, "files") else FILES  # a generate's, a collection's: what it wrote
-        print(wrote(args.out, args.shard, ", ".join(files)), file=sys.stderr)  # a shard: its part, how to merge
+        print(wrote(args.out, args.shard, files, estimated), file=sys.stderr)  # a shard: its part, how to merge
     return 0
 
 
@@ -285,7 +291,6 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
     """`deltalang sweep FILE [--out DIR] [--resume] [--normalise ...] [--strict]` over a dataset: a mean per cell."""
     from rich.console import Console
 
-    from .shards import wrote
     from .sweep.dataset import FILES, run_dataset_sweep
 
     refuse_ignored(args, bool(getattr(args, "attribution", False)))
@@ -298,11 +303,8 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
                             steps=getattr(args, "steps", None), refine=getattr(args, "refine", None),
                             path=args.path, align=args.align, shard=args.shard, refine_from=args.refine_from)
     print(out.summary())
-    if args.out is not None:
-        err.print(wrote(args.out, args.shard, f"{', '.join(FILES)} and a heatmap per sweep and measure",  # a refine's
-                        getattr(out, "phase", None) == "estimates"), highlight=False, soft_wrap=True)  # phase 1
-    err.print(f"({time.perf_counter() - t0:.1f} s incl. model load)", highlight=False)
-    return 0
+    return _closing(args, t0, f"{', '.join(FILES)} and a heatmap per sweep and measure",
+                    getattr(out, "phase", None) == "estimates")  # a refine's phase 1
 
 
 def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
@@ -466,10 +468,25 @@ def _command(args: argparse.Namespace, func: Callable[[argparse.Namespace], int]
         raise
 
 
+def shard_joined(argv: list[str]) -> list[str]:
+    """`--shard -1/2` as `--shard=-1/2`: argparse takes a value starting with '-' for an option (its usage text);
+    joined, `shards.shard_of` says what is wrong in one line, as for `--shard=-1/2`."""
+    out: list[str] = []
+    rest = iter(argv)
+    for a in rest:
+        if a == "--shard" and out[-1:] != ["--"]:
+            value = next(rest, None)
+            out.extend([a] if value is None else [f"--shard={value}"] if value[:1] == "-" and value[1:2].isdigit()
+                       else [a, value])
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the one place that turns every exception into one line and an exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(shard_joined(sys.argv[1:] if argv is None else list(argv)))
     _own_process()
     show_warnings_on_stderr()  # a program's warnings, rendered like its errors
     func: Callable[[argparse.Namespace], int] = args.func

@@ -33,6 +33,7 @@ from .dataset_store import format_stats
 from .datasets import Dataset, Record
 from .errors import DeltaError
 from .results import Results
+from .shards import count_line, part_from
 
 
 class Collection:
@@ -139,8 +140,11 @@ class Collection:
     def summary(self) -> str:
         """What `deltalang run` prints of a collection: records, bytes, each read's shape."""
         m = self.manifest
-        lines = [f"collected {len(self)} of {m.get('records', len(self))} records of '{m.get('dataset')}' into "
-                 f"{self.dir}: {human(m.get('bytes', 0))} in {len(m.get('shards', []))} shard(s)"]
+        saved = f"{self.dir}: {human(m.get('bytes', 0))} in {len(m.get('shards', []))} shard(s)"
+        lines = [f"collected {len(self)} of {m.get('records', len(self))} records of '{m.get('dataset')}' into {saved}"]
+        if (part := part_from(m.get("part"))) is not None:  # a shard's part (`deltalang.shards`)
+            lines = [count_line(str(m.get("dataset")), int(m.get("records", 0)), len(m.get("left_out", [])), part)
+                     + (f"; collected into {saved}" if part.records else "")]
         for lab, r in self.reads.items():
             shape = "per record" if r["per_record"] else "[" + ", ".join(
                 f"{a}={n}" for a, n in zip((r.get("axes") or [])[1:] or ["?"] * len(r["shape"]), r["shape"])) + "]"

@@ -35,6 +35,7 @@ from .plan import BATCH_TOKENS, Plan, build_plan, expand_measure_steps
 from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import measure_label
 from .results import save_atomically
+from .shards import Part, count_line
 from .spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class DatasetGeneration:
     stats: tuple[StepStats, ...]
     skipped: tuple[tuple[int, str], ...]
     program: str = ""
+    part: Part | None = None  # a shard's run: its share of the records (`shards.count_line`); None: the whole run
 
     @property
     def columns(self) -> list[str]:
@@ -79,8 +81,7 @@ class DatasetGeneration:
 
     def summary(self, shown: int = 5) -> str:
         """What `deltalang run` prints: the first continuations, a line per measure and step, the left out."""
-        n_rec = len(self.dataset.records)
-        lines = [f"{n_rec - len(self.skipped)} of {n_rec} records of '{self.dataset.name}'"]
+        lines = [count_line(self.dataset.name, len(self.dataset.records), len(self.skipped), self.part)]
         for c in self.continuations[:shown]:
             lines.append(f"{c['run'] + '.tokens':24} {self.dataset.where(self.dataset.records[c['record']]):20} "
                          f"{c['text']!r}")

@@ -39,7 +39,7 @@ from .plan import BATCH_TOKENS
 from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import dataset_decls, measure_label
 from .results import save_atomically
-from .shards import finish, select, shard_of
+from .shards import Part, count_line, finish, part_of, resumes, select, shard_of
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -104,6 +104,7 @@ class DatasetResults:
     stats: tuple[MeasureStats, ...]
     skipped: tuple[tuple[int, str], ...]  # (record index, why), in record order
     program: str = ""
+    part: Part | None = None  # a shard's run: its share of the records (`shards.count_line`); None: the whole run
 
     def values(self, measure: str) -> list[float]:
         """A measure's value for each record that ran, in record order."""
@@ -111,8 +112,7 @@ class DatasetResults:
 
     def summary(self) -> str:
         """What `deltalang run` prints: one line per measure, then the records left out."""
-        n_rec = len(self.dataset.records)
-        lines = [f"{len(self.dataset.records) - len(self.skipped)} of {n_rec} records of '{self.dataset.name}'"]
+        lines = [count_line(self.dataset.name, len(self.dataset.records), len(self.skipped), self.part)]
         for s in self.stats:
             lines.append(f"{s.measure:48} {format_stats(s)}")
         lines.extend(self.dataset.left_out_lines(self.skipped))
@@ -185,6 +185,8 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     resolutions, out = select(ds, resolutions, part, out, source, kind, model.spec.model_id,
                               [[r.record.index for r in g] for g in groups])
     mine = {r.record.index for r in resolutions}
+    share = part_of(part, resolutions)
+    resume = resumes(None if part is None or out is None else Path(out), resume)  # a part never started: a start
     groups = [g for g in groups if g[0].record.index in mine]
     skipped = left_out(ds, resolutions, strict)
     if kind == "generate":  # each record's continuation and measures per step (`deltalang.dataset_generate`)
@@ -192,10 +194,11 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                                 resume=resume, console=console, on_group=on_group, merge=merge, stats=stats_of)
     elif kind == "collection":
         got = run_collection(program, ds, groups, labels, skipped, source, model, filename=filename, batch=batch,
-                             out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes)
+                             out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes,
+                             part=share)
     if kind != "run":
         finish(None if out is None else Path(out), part)
-        return got
+        return attrs.evolve(got, part=share) if kind == "generate" else got
     columns = ["record", "line", *ds.fields, "measure", "value"]
     store = open_store(out, source, model.spec.model_id, columns, len(ds.records), resume, {"batch": batch})
     done = store.done if store is not None else set()
@@ -218,7 +221,7 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
             store.abandon()
         raise
     rows = [row for i in sorted(per) for row in per[i]]
-    result = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, source)
+    result = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, source, share)
     if out is not None and store is not None:
         result.save(out)
         store.finish()
@@ -243,7 +246,7 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
                    labels: Mapping[int, Mapping[str, str]], skipped: tuple[tuple[int, str], ...], source: str,
                    model: DeltaModel, *, filename: str, batch: bool, out: str | Path | None, resume: bool,
                    console: Console | None, on_group: Callable[[list[int]], None] | None,
-                   shard_bytes: int) -> Collection:
+                   shard_bytes: int, part: Part | None = None) -> Collection:
     """A collection (`deltalang.collect`) of `groups` (`forward_groups`): the records' reads written to `out` as
     they finish; resumed, a group with a record not done runs whole (its records share its forward)."""
     if out is None:
@@ -277,7 +280,9 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
         result = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, source)
         store.finish({"program": source, "program_sha256": meta["program_sha256"], "model": meta["model"],
                       "dataset": ds.name, "origin": ds.origin, "records": len(ds.records),
-                      "left_out": [{"record": i, "line": ds.records[i].line, "why": why} for i, why in skipped]},
+                      "left_out": [{"record": i, "line": ds.records[i].line, "why": why} for i, why in skipped],
+                      **({} if part is None else {"part": {"k": part.shard.k, "n": part.shard.n,
+                                                           "records": part.records}})},
                      lambda d: result._write(d) if rows else write_summary_json(d, {}, ds, skipped, source))
     except BaseException:
         store.abandon()

@@ -56,7 +56,8 @@ def parts(top: Path) -> tuple[dict[str, Any], list[Path]]:
         if done is None:
             missing.append(k)
             continue
-        check_same(part, done, meta)
+        check_same(part, done, meta, f"`deltalang merge DIR` joins one run's parts: rerun shard {k}/{n} with "
+                                     f"--out {top} and this run's program and options, or move {part.name} out")
         if done.get("phase") == "estimates":
             estimated.append(k)
         tops.add(json.dumps(done.get("top")))
@@ -188,6 +189,7 @@ def _collection(top: Path, dirs: list[Path], skipped: tuple[tuple[int, str], ...
                  bytes=sum(m.get("bytes", 0) for m in manifests),
                  left_out=[e for m in manifests for e in m.get("left_out", [])])
     whole["left_out"].sort(key=lambda e: e["record"])
+    whole.pop("part", None)  # a part's share (`shards.Part`): the merged collection is the whole run's
     tmp = top / (COLLECTION + ".tmp")
     tmp.write_text(json.dumps(whole, indent=1, allow_nan=True), encoding="utf-8")
     os.replace(tmp, top / COLLECTION)

@@ -101,7 +101,14 @@ def claim_out(args: argparse.Namespace, read: Callable[[argparse.Namespace], tup
     args.program = read(args)
     shard = getattr(args, "shard", None)  # shard K of N writes DIR/shard-K-of-N only (`deltalang.shards`)
     out = args.out if shard is None else f"{args.out}/{shard.name}"
-    return claim_out_dir(out, args.program[0], resume=args.resume, replace=args.replace)
+    resume = args.resume
+    if shard is not None:  # a resume of a part that never started is its start (`shards.resumes`)
+        from pathlib import Path
+
+        from .shards import resumes
+
+        resume = resumes(Path(out), resume)
+    return claim_out_dir(out, args.program[0], resume=resume, replace=args.replace)
 
 
 def refuse_shard(args: argparse.Namespace) -> None:

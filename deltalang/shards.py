@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import attrs
 
+from .dataset_store import META_NAME as PROGRESS
 from .datasets import Dataset
 from .errors import DeltaError
 
@@ -46,6 +47,37 @@ class Shard:
     @property
     def name(self) -> str:
         return f"shard-{self.k}-of-{self.n}"
+
+
+@attrs.frozen
+class Part:
+    """What shard `shard` of a run over a dataset took: `records`, its share of the dataset's records."""
+
+    shard: Shard
+    records: int
+
+
+def part_from(meta: Mapping[str, Any] | None) -> Part | None:
+    """A `Part` as a saved manifest keeps it (`{"k", "n", "records"}`; None: none)."""
+    return None if not meta else Part(Shard(int(meta["k"]), int(meta["n"])), int(meta["records"]))
+
+
+def part_of(shard: Shard | None, records: Sequence[Any]) -> Part | None:
+    """The part a shard's selected `records` make (None without a shard: the whole run)."""
+    return None if shard is None else Part(shard, len(records))
+
+
+def count_line(name: str, total: int, skipped: int, part: Part | None = None) -> str:
+    """A result's first line: the records that ran of dataset `name`'s `total` (`skipped` of them, or of the part's
+    share, left out); a shard's part says it is one, and one that took no records says nothing ran."""
+    if part is None:
+        return f"{total - skipped} of {total} records of '{name}'"
+    where = f"shard {part.shard.k}/{part.shard.n}"
+    if part.records == 0:
+        return (f"{where} has no records of '{name}' (its {total} records went to the other shards, in whole groups "
+                f"sharing forwards): nothing ran")
+    share = f": its {part.records}, {skipped} left out" if skipped else ""
+    return f"{part.records - skipped} of {total} records of '{name}' ({where}{share})"
 
 
 def shard_of(value: Shard | str | Sequence[int] | None) -> Shard | None:
@@ -135,6 +167,13 @@ def select(ds: Dataset, resolutions: list[RecordResolution], shard: Shard | None
     return mine, part
 
 
+def resumes(part: Path | None, resume: bool) -> bool:
+    """Whether a shard's run continues its part: `resume` asked, and the part has started (its `progress.json`,
+    which every saved run over a dataset writes first). A resume of a part that never started is its start: a
+    job array's failed task is rerun with the same `--shard` and `--resume`, wherever it failed."""
+    return resume and (part is None or (part / PROGRESS).is_file())
+
+
 def _claim(top: Path, meta: dict[str, Any]) -> None:
     """Create `top/shards.json` (first shard to start) or check that it is this run's."""
     try:
@@ -161,15 +200,16 @@ def read_manifest(top: Path) -> dict[str, Any]:
         raise DeltaError(f"{top / MANIFEST} does not parse; delete {top} to start over") from None
 
 
-def check_same(where: Path, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
-    """A DeltaError unless `old` and `new` are parts of one run (kind, program, model, dataset, N)."""
+def check_same(where: Path, old: Mapping[str, Any], new: Mapping[str, Any], fix: str = "give another --out") -> None:
+    """A DeltaError unless `old` and `new` are parts of one run (kind, program, model, dataset, N); `fix`: what the
+    command that found them can do about it."""
     for key in CHECKED:
         if old.get(key) != new.get(key):
             what = {"kind": "kind of run", "program_sha256": "program", "dataset_sha256": "dataset",
                     "split_sha256": "split of the records (records sharing forwards: give every shard the same "
                                     "options)", "n": "number of shards"}.get(key, key)
             raise DeltaError(f"{where} holds parts of a run with another {what} ({_short(old.get(key))}, this one "
-                             f"{_short(new.get(key))}): shards of one run only; give another --out")
+                             f"{_short(new.get(key))}): shards of one run only; {fix}")
 
 
 def _short(v: Any) -> str:

@@ -33,7 +33,7 @@ from ..errors import DeltaError
 from ..ir import Resolved
 from ..model import DeltaModel
 from ..results import save_atomically
-from ..shards import Shard, read_done, read_rows
+from ..shards import Part, Shard, count_line, read_done, read_rows
 from .attribution import (Attribution, AttributionRow, Target, attribute, check_path, default_steps, describe,
                           refine_cells, target_of)
 from .job import measure_label
@@ -84,6 +84,7 @@ class DatasetAttribution:
     note: str = ""
     phase: str | None = None  # a sharded refine's phase ("estimates", "refine"; `Phase`), None otherwise
     clean: Mapping[int, Mapping[str, float]] = attrs.field(factory=dict, repr=False)  # record -> clean measures
+    part: Part | None = None  # a shard's run: its share of the records (`shards.count_line`); None: the whole run
 
     @property
     def variables(self) -> list[str]:
@@ -132,8 +133,7 @@ class DatasetAttribution:
 
     def summary(self) -> str:
         """Records run and left out, the note on the variants, then `table()` (every refined cell in it)."""
-        n = len(self.dataset.records)
-        lines = [f"{n - len(self.skipped)} of {n} records of '{self.dataset.name}'"]
+        lines = [count_line(self.dataset.name, len(self.dataset.records), len(self.skipped), self.part)]
         if self.note:
             lines.append(self.note)
         lines.append(self.table(max(20, len(self.refined()))))

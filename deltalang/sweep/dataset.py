@@ -36,7 +36,7 @@ from ..parse import parse
 from ..resolve import resolve_records
 from ..resolve.dataset import axis_positions, field_prompt, measure_label
 from ..results import save_atomically
-from ..shards import finish, select, shard_of
+from ..shards import Part, count_line, finish, part_of, resumes, select, shard_of
 from .aligned import COLUMNS as TOKEN_COLUMNS
 from .aligned import Alignment, aligned_records, per_token_lines
 from .aligned import offset as _offset
@@ -78,6 +78,7 @@ class DatasetSweepResults:
     program: str = ""
     normalise: str | None = None
     align: str | None = None  # with per-token measures: what their positions are counted from (`sweep.aligned`)
+    part: Part | None = None  # a shard's run: its share of the records (`shards.count_line`); None: the whole run
 
     @property
     def variables(self) -> list[str]:
@@ -115,8 +116,7 @@ class DatasetSweepResults:
 
     def summary(self) -> str:
         """Records run and left out, then per sweep and measure the mean of each cell (rows: the first axis)."""
-        n = len(self.dataset.records)
-        lines = [f"{n - len(self.skipped)} of {n} records of '{self.dataset.name}'"
+        lines = [count_line(self.dataset.name, len(self.dataset.records), len(self.skipped), self.part)
                  + (f"; normalised against {self.normalise}" if self.normalise else "")]
         for sweep, axes in self.axes.items():
             for m in self.measures(sweep):
@@ -220,10 +220,12 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     if how is not None:
         return _attribution(program, ds, good, skipped, model, source, filename, how, normalise=normalise, out=out,
                             resume=resume, batch_size=batch_size, engine=engine, console=_console_for(progress,
-                            console), on_record=on_record, part=part, refine_from=refine_from)
+                            console), on_record=on_record, part=part, refine_from=refine_from,
+                            share=part_of(part, resolutions))
     if refine_from is not None:
         raise DeltaError("--refine-from is the second phase of a sweep by attribution with refine split by --shard; "
                          "this sweep runs exactly: drop it")
+    resume = resumes(None if part is None or out is None else Path(out), resume)  # a part never started: a start
     norm = Normalise.parse(normalise)
     tokens, alignment, good, skipped = aligned_records(program, ds, good, skipped, align, model.spec, strict)
     axes = template_axes(program, good[0][1])
@@ -255,8 +257,8 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
             where = f"saved in {out}; rerun with --resume to continue" if out else "not saved (no --out)"
             console.print(f"interrupted: {bar.done} of {len(todo)} record(s) done, {where}")
         raise
-    result = cell_results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm,
-                          alignment.text if tokens else None)
+    result = attrs.evolve(cell_results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm,
+                                       alignment.text if tokens else None), part=part_of(part, resolutions))
     if out is not None and store is not None:
         result.save(out)
         store.finish()
@@ -275,7 +277,8 @@ def _attribution(program: ast.Program, ds: Dataset, good: Sequence[tuple[Record,
                  skipped: tuple[tuple[int, str], ...], model: DeltaModel, source: str, filename: str, how: Method, *,
                  normalise: Any, out: str | Path | None, resume: bool, batch_size: int | None, engine: str,
                  console: Console | None, on_record: Callable[[int], None] | None,
-                 part: Any = None, refine_from: str | Path | None = None) -> DatasetAttribution:
+                 part: Any = None, refine_from: str | Path | None = None, share: Part | None = None
+                 ) -> DatasetAttribution:
     """A sweep by attribution over the dataset (`sweep.attribution_dataset`), each record's cells labelled."""
     if resume:
         raise DeltaError("--resume continues an exact sweep over a dataset; an attribution sweep reruns (it is "
@@ -296,7 +299,7 @@ def _attribution(program: ast.Program, ds: Dataset, good: Sequence[tuple[Record,
     if out is not None:
         got.save(out)
         finish(Path(out), part, **marks(got, phase))
-    return got
+    return attrs.evolve(got, part=share)
 
 
 def _cells(resolved: Resolved) -> int:
