@@ -15,7 +15,7 @@ from reference import Reference, Write, zeros
 from safetensors.torch import load_file
 
 import deltalang
-from deltalang import ast
+from deltalang import ast, display
 from deltalang.bundled import PATH as BUNDLED
 from deltalang.bundled import world
 from deltalang.errors import DeltaError
@@ -70,7 +70,7 @@ generate g on other max_new_tokens 2 { measure top(3) }
     # the summary line: the decoded tokens and their probabilities, most likely first
     line = next(ln for ln in r.summary().splitlines() if ln.startswith("base.top(5) "))
     first = model.tokenizer.decode([r["base.top(5)"].ids[0, 0].item()])
-    assert line.split(None, 1)[1].startswith(f"{first!r} ") and line.count(", ") == 4
+    assert line.split(None, 1)[1].startswith(display.token(first) + " ") and line.count(", ") == 4
     # saved: ids and probs as tensors, the tokens in results.json
     r.save(tmp_path)
     tensors = load_file(str(tmp_path / "results.safetensors"))
