@@ -29,10 +29,8 @@ PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o
 GROWTH = 3.0
 
 
-def _build_large(family: str, path: Path) -> Path:
-    fam = families.by_name(family)
-    hf = load_hf(tiny_checkpoint(family)).eval()
-    mixers = [m for m in hf.modules() if isinstance(m, fam.mixer_type)]
+def _save_grown(hf: Any, mixers: list[torch.nn.Module], path: Path) -> Path:
+    """`hf` saved at `path` with each mixer's projections scaled by `GROWTH` to the power of its order."""
     with torch.no_grad():
         for order, mixer in enumerate(mixers):
             for p in mixer.parameters():
@@ -41,6 +39,21 @@ def _build_large(family: str, path: Path) -> Path:
     hf.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+def _build_large(family: str, path: Path) -> Path:
+    fam = families.by_name(family)
+    hf = load_hf(tiny_checkpoint(family)).eval()
+    return _save_grown(hf, [m for m in hf.modules() if isinstance(m, fam.mixer_type)], path)
+
+
+def _states_read(model: Any, layers: list[int]) -> dict[int, torch.Tensor]:
+    """deltalang's `states` of each block of `layers` over PROMPT."""
+    got: dict[int, torch.Tensor] = {}
+    with torch.no_grad(), model.trace(PROMPT):
+        for i in layers:
+            got[i] = model.layers[i].linear_attn.states.save()
+    return got
 
 
 def large_checkpoint(family: str) -> Path:
@@ -88,10 +101,7 @@ def test_states_of_large_late_blocks_equal_transformers_recurrence(family: str) 
     hf = load_hf(path).eval()
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     layers = model.spec.linear_layers()
-    got: dict[int, torch.Tensor] = {}
-    with torch.no_grad(), model.trace(PROMPT):
-        for i in layers:
-            got[i] = model.layers[i].linear_attn.states.save()
+    got = _states_read(model, layers)
     calls = _kernel_inputs(fam, hf, ids)
     assert len(calls) == len(layers)
     worst = (0.0, -1, -1)
@@ -111,14 +121,7 @@ def _build_large_ssd(name: str, path: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(testing_ssd.tiny_ssd_checkpoint(name)).eval()
-    with torch.no_grad():
-        for order, (_, mixer) in enumerate(testing_ssd.ssd_mixers(hf)):
-            for p in mixer.parameters():
-                if p.dim() == 2:
-                    p.mul_(GROWTH ** order)
-    hf.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    return _save_grown(hf, [mixer for _, mixer in testing_ssd.ssd_mixers(hf)], path)
 
 
 def _stepped_states(name: str, a: tuple, k: dict) -> list[torch.Tensor]:
@@ -157,10 +160,7 @@ def test_states_of_large_late_mamba2_blocks_equal_transformers_steps(name: str) 
     with kernel_patched(name, hf, internals.SCAN_GLOBAL, record):
         hf_forward(hf, ids)
     assert sorted(calls) == layers
-    got: dict[int, torch.Tensor] = {}
-    with torch.no_grad(), model.trace(PROMPT):
-        for i in layers:
-            got[i] = model.layers[i].linear_attn.states.save()
+    got = _states_read(model, layers)
     worst = (0.0, -1, -1)
     with torch.no_grad():
         for i in layers:
