@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import DeltaError, show_warnings_on_stderr
-from .options import check_options, claim_out, refuse_ignored, refuse_over_dataset, refuse_shard, refuse_unused_prompt
+from .options import (check_options, claim_out, refuse_ignored, refuse_over_dataset, refuse_shard,
+                      refuse_unused_prompt, shard_joined)
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -271,13 +272,12 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
                       datasets=datasets, out=args.out, resume=bool(getattr(args, "resume", False)),
                       console=Console(stderr=True), shard=args.shard)
     print(out.summary())
-    files = out.files() if hasattr(out, "files") else FILES  # a generate's, a collection's: what it wrote
-    return _closing(args, t0, ", ".join(files))
+    return _closing(args, t0, ", ".join(out.files() if hasattr(out, "files") else FILES))
 
 
 def _closing(args: argparse.Namespace, t0: float, files: str, estimated: bool = False) -> int:
-    """The last lines of a run or sweep over a dataset: its time, then where it wrote (`shards.wrote`: a shard's
-    part, how many shards are done and how to merge; `estimated`: a sharded refine's phase 1)."""
+    """A run or sweep over a dataset's last lines: its time, where it wrote `files` (a generate's, a collection's own;
+    `shards.wrote`: a shard's part, how many are done, how to merge; `estimated`: a sharded refine's phase 1)."""
     from .shards import wrote
 
     print(f"({time.perf_counter() - t0:.1f} s incl. model load)", file=sys.stderr)
@@ -468,25 +468,9 @@ def _command(args: argparse.Namespace, func: Callable[[argparse.Namespace], int]
         raise
 
 
-def shard_joined(argv: list[str]) -> list[str]:
-    """`--shard -1/2` as `--shard=-1/2`: argparse takes a value starting with '-' for an option (its usage text);
-    joined, `shards.shard_of` says what is wrong in one line, as for `--shard=-1/2`."""
-    out: list[str] = []
-    rest = iter(argv)
-    for a in rest:
-        if a == "--shard" and out[-1:] != ["--"]:
-            value = next(rest, None)
-            out.extend([a] if value is None else [f"--shard={value}"] if value[:1] == "-" and value[1:2].isdigit()
-                       else [a, value])
-        else:
-            out.append(a)
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the one place that turns every exception into one line and an exit status."""
-    parser = build_parser()
-    args = parser.parse_args(shard_joined(sys.argv[1:] if argv is None else list(argv)))
+    args = build_parser().parse_args(shard_joined(sys.argv[1:] if argv is None else list(argv)))
     _own_process()
     show_warnings_on_stderr()  # a program's warnings, rendered like its errors
     func: Callable[[argparse.Namespace], int] = args.func

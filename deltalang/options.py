@@ -8,7 +8,8 @@ beside another program's). `refuse_unused_prompt` (a `--prompt` no statement use
 `--prompt` where the program would ignore them) and `refuse_ignored` (an exact sweep's options under attribution; a
 `--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
 `launch_defaults(args)`: under `torchrun` or `accelerate launch`, `--shard` from RANK/WORLD_SIZE and `--device`
-from LOCAL_RANK where not given (`deltalang.shards`). Imports are lazy, so `deltalang --help` loads nothing.
+from LOCAL_RANK where not given (`deltalang.shards`). `shard_joined(argv)`: `--shard -1/2` as `--shard=-1/2`, so
+that a negative shard is deltalang's one line, not argparse's usage. Imports are lazy, so `deltalang --help` loads nothing.
 """
 
 from __future__ import annotations
@@ -170,3 +171,18 @@ def refuse_ignored(args: argparse.Namespace, attribution: bool, exp: Any = None)
     if clean and (clean == corrupted or (clean in prompts and prompts.get(clean) == prompts.get(corrupted))):
         raise DeltaError(f"--normalise {norm}: clean and corrupted are the same run, so (clean - corrupted) is 0 and "
                          f"every normalised value would be nan: name two runs that differ")
+
+
+def shard_joined(argv: list[str]) -> list[str]:
+    """`--shard -1/2` as `--shard=-1/2`: argparse takes a value starting with '-' for an option (its usage text);
+    joined, `shards.shard_of` says what is wrong in one line, as for `--shard=-1/2`."""
+    out: list[str] = []
+    rest = iter(argv)
+    for a in rest:
+        if a == "--shard" and out[-1:] != ["--"]:
+            value = next(rest, None)
+            out.extend([a] if value is None else [f"--shard={value}"] if value[:1] == "-" and value[1:2].isdigit()
+                       else [a, value])
+        else:
+            out.append(a)
+    return out
