@@ -30,7 +30,7 @@ from torch.utils.data import Dataset as TorchDataset
 from .collect import INDEX, KIND, MANIFEST, PROGRESS, human
 from .compat import pandas
 from .dataset_store import format_stats
-from .datasets import Dataset, Record
+from .datasets import left_out_lines
 from .errors import DeltaError
 from .results import Results
 from .shards import count_line, part_from
@@ -151,10 +151,9 @@ class Collection:
             lines.append(f"  {lab:46} {r.get('dtype')} {shape}" + (f" axes {r['axes']}" if r["per_record"] else ""))
         summary = _json(self.dir / "summary.json") or {}
         lines += [f"{s['measure']:48} {format_stats(SimpleNamespace(**s))}" for s in summary.get("measures", [])]
-        left = {e["record"]: e["line"] for e in m.get("left_out", [])}
-        ds = Dataset(m.get("dataset", ""), m.get("origin", ""),
-                     tuple(Record(i, left.get(i, 0), {}) for i in range(max(m.get("records", 0), max(left, default=-1) + 1))))
-        lines += ds.left_out_lines([(e["record"], e["why"]) for e in m.get("left_out", [])])
+        left = m.get("left_out", [])
+        total = max(m.get("records", 0), max((e["record"] + 1 for e in left), default=0))
+        lines += left_out_lines(m.get("dataset", ""), m.get("origin", ""), total, [(e["line"], e["why"]) for e in left])
         return "\n".join(lines)
 
     def files(self) -> list[str]:

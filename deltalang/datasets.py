@@ -53,14 +53,27 @@ class Dataset:
 
     def left_out_lines(self, skipped: Sequence[tuple[int, str]]) -> list[str]:
         """What a summary prints of the records left out (`(record index, why)`): none, or a line and one per record."""
-        if not skipped:
-            return []
-        return [f"left out {len(skipped)} of {len(self.records)} records (--strict stops instead):",
-                *(f"  {self.where(self.records[i])}: {why}" for i, why in skipped)]
+        return left_out_lines(self.name, self.origin, len(self.records),
+                              [(self.records[i].line, why) for i, why in skipped])
 
     def where(self, record: Record) -> str:
         """`facts.jsonl:3` (a file's line) or `<data>: row 3` (data given from Python)."""
-        return f"{self.origin}:{record.line}" if self.origin != "<data>" else f"data '{self.name}' row {record.line}"
+        return place(self.name, self.origin, record.line)
+
+
+def place(name: str, origin: str, line: int) -> str:
+    """Where dataset `name`'s record of data-file line `line` is: `facts.jsonl:3`, or `data 'facts' row 3` (data
+    given from Python, `origin` `<data>`)."""
+    return f"{origin}:{line}" if origin != "<data>" else f"data '{name}' row {line}"
+
+
+def left_out_lines(name: str, origin: str, total: int, skipped: Sequence[tuple[int, str]]) -> list[str]:
+    """What a summary prints of the records left out of dataset `name`'s `total` (`(data-file line, why)`, as a
+    saved manifest keeps them too): none, or a line and one per record."""
+    if not skipped:
+        return []
+    return [f"left out {len(skipped)} of {total} records (--strict stops instead):",
+            *(f"  {place(name, origin, line)}: {why}" for line, why in skipped)]
 
 
 def data_error(origin: str, line: int | None, message: str) -> DeltaError:

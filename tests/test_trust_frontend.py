@@ -190,7 +190,7 @@ def test_c_every_missing_dataset_field(tmp_path: Path, model: Any) -> None:
 
 
 def test_d_small_estimates_keep_their_digits_and_saturation_is_said(model: Any) -> None:
-    from deltalang.sweep.table import signed
+    from deltalang.display import signed
 
     assert signed(-0.000419) == "-0.000419" and signed(6.7e-08) == "+6.7e-08" and signed(-0.975) == "-0.975"
     text = HEAD + "sweep s on clean over L in L[4,5], t in 5..8 method attribution {\n" \

@@ -33,7 +33,7 @@ from .job import measure_label
 from .paths import (PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward,
                     reused_capture, whole_passes)
 from .plots import colour_label, heatmap, slug
-from .table import decoded_tokens, left_out, signed, warn_saturated
+from .table import decoded_tokens, left_out, warn_saturated
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
@@ -96,8 +96,8 @@ class Attribution:
         head = ["block", "pos", "token", "measure", *self.variants, "exact"]
         rows = sorted(self.rows, key=lambda r: -abs(r.estimates[self.default]))[:top]
         body = [[f"L{r.block}", str(r.position), display.token(r.token), r.measure,
-                 *(signed(r.estimates[v]) for v in self.variants),
-                 "" if r.exact is None else signed(r.exact)] for r in rows]
+                 *(display.signed(r.estimates[v]) for v in self.variants),
+                 "" if r.exact is None else display.signed(r.exact)] for r in rows]
         widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *body]]
         note = (f"sweep {self.sweep}: estimated effect M(patched) - M(clean) per cell; {describe(self.default)} "

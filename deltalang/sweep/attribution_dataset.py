@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .. import html
+from .. import display, html
 from ..compat import pandas
 from ..compiled import Experiment
 from ..dataset_run import MeasureStats, stats_of
@@ -38,7 +38,7 @@ from .attribution import (Attribution, AttributionRow, Target, attribute, check_
                           refine_cells, target_of)
 from .job import measure_label
 from .plots import colour_label, heatmap, slug
-from .table import decoded_tokens, left_out, signed
+from .table import decoded_tokens, left_out
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -122,8 +122,8 @@ class DatasetAttribution:
         """The cells of largest |mean default estimate|, mean estimates and mean exact effect side by side."""
         head = [*self.variables, "measure", *self.variants, "exact", "n"]
         cells = sorted(self.cells, key=lambda c: -abs(c.estimates[self.default].mean))[:top]
-        body = [[*(lab for _, lab in c.point), c.measure, *(signed(c.estimates[v].mean) for v in self.variants),
-                 "" if c.exact is None else signed(c.exact.mean), str(c.estimates[self.default].n)] for c in cells]
+        body = [[*(lab for _, lab in c.point), c.measure, *(display.signed(c.estimates[v].mean) for v in self.variants),
+                 "" if c.exact is None else display.signed(c.exact.mean), str(c.estimates[self.default].n)] for c in cells]
         widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip() for line in [head, *body]]
         note = (f"sweep {self.sweep}: estimated effect M(patched) - M(clean) per cell, mean over the records; "

@@ -98,12 +98,6 @@ def _fmt(x: float, kind: str = "") -> str:
     return display.number(for_display(kind, x))
 
 
-def signed(x: float) -> str:
-    """An estimate or effect with its sign and three significant digits (-0.000412, +1.2e-07): a fixed count of
-    decimals shows the small effects of a saturated measure as +-0.0000 (`display.signed`)."""
-    return display.signed(x)
-
-
 def left_out(shown: int, total: int, what: str, where: str) -> list[str]:
     """The line a table ends with when it shows `shown` of `total` rows: how many and where the rest are."""
     if shown >= total:
