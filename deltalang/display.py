@@ -5,7 +5,8 @@
 that rounds to it is shown `0`); `nan` as `nan`. `signed(x)`: the same with its sign (`+1.2e-07`), for
 effects and estimates. `token(text)`: a token's decoded text as every table shows it: a space as `␣`, a
 newline as `⏎`, an empty piece as `?`, unquoted (`␣Paris`). Reads, statistics, sweeps and attribution all
-format through here; stored values (CSV, JSON, safetensors) stay raw.
+format through here; `cell(x)`, a sweep grid's, keeps its trailing zeros (a column's width then does not
+hang on the last digit); stored values (CSV, JSON, safetensors) stay raw.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def number(x: float, digits: int = DIGITS) -> str:
     if math.isinf(x):
         return "inf" if x > 0 else "-inf"
     return _unsigned_zero(f"{x:.{digits}g}")
+
+
+def cell(x: float, digits: int = DIGITS) -> str:
+    """A grid cell (a sweep's table): `number`, its trailing zeros kept (`0.0001860`, `1.000`, `0.000`), so that a
+    cell's width does not hang on its last digit: float32 rounding that moves it (1 thread or 2) leaves the
+    columns where they were."""
+    x = float(x)
+    if math.isnan(x) or math.isinf(x):
+        return number(x)
+    return _unsigned_zero(f"{x:#.{digits}g}".rstrip("."))
 
 
 def signed(x: float, digits: int = 3) -> str:

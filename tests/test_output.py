@@ -96,7 +96,7 @@ def test_sweep_tables_show_kl_noise_as_zero() -> None:
     diff = _cells(render_tables(_table("logit_diff", grid))[1])
     # the longer axis (t: 3 positions) down the rows
     assert [r[0] for r in kl] == ["0 a", "1 b", "2 c"]
-    assert kl[2][2] == "0" and diff[2][2] == "-2e-09"
+    assert kl[2][2] == "0.000" and diff[2][2] == "-2.000e-09"  # grid cells keep their trailing zeros (display.cell)
 
 
 def test_heatmap_is_oriented_like_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

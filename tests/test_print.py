@@ -107,3 +107,12 @@ def test_a_one_prompt_attribution_sweep_writes_its_heatmap_and_says_what_it_left
     assert cells > 20
     assert len(body) == 20 and f"20 of {cells} cells" in out and "attribution.csv" in out, out
     assert "␣the" in out and "'Ġthe'" not in out, out
+
+
+def test_a_grid_cells_width_does_not_hang_on_its_last_digit() -> None:
+    """1 thread printed -0.000186 where 2 printed -0.0001861 in a sweep grid (the same number within float32
+    rounding), which moved the grid's columns in docs/examples.md: a cell keeps its trailing zeros."""
+    from deltalang import display
+
+    assert display.cell(-0.00018600001) == "-0.0001860" and display.cell(-0.00018606) == "-0.0001861"
+    assert display.cell(1.0) == "1.000" and display.cell(-1e-12 * 0) == "0.000" and display.cell(4.18e-06) == "4.180e-06"

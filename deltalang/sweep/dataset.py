@@ -125,7 +125,7 @@ class DatasetSweepResults:
                     lines.append(f"{sweep}: {m}, mean over records ({axes[0][0]} down, {axes[1][0]} across)")
                     width = max(8, *(len(c) for c in cols))
                     lines.append(" " * 8 + "".join(f"{c:>{width + 1}}" for c in cols))
-                    lines.extend(f"{r:8}" + "".join(f"{display.number(x):>{width + 1}}" for x in row) for r, row in zip(rows, grid))
+                    lines.extend(f"{r:8}" + "".join(f"{display.cell(x):>{width + 1}}" for x in row) for r, row in zip(rows, grid))
                 else:
                     for c in self.stats:
                         if c.sweep == sweep and c.stats.measure == m:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def _fmt(x: float, kind: str) -> str:
-    return display.number(for_display(kind, x))
+    return display.cell(for_display(kind, x))
 
 
 def grids_html(table: SweepTable, limit: int = 40) -> str:

@@ -95,7 +95,7 @@ def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
 
 
 def _fmt(x: float, kind: str = "") -> str:
-    return display.number(for_display(kind, x))
+    return display.cell(for_display(kind, x))
 
 
 def left_out(shown: int, total: int, what: str, where: str) -> list[str]:
