@@ -41,23 +41,24 @@ def _spec_for(model: Any, program: ast.Program, trust_remote_code: bool = False)
 
 
 def check(text: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
-          trust_remote_code: bool = False, program: ast.Program | None = None) -> Resolved:
+          trust_remote_code: bool = False, program: ast.Program | Partial | None = None) -> Resolved:
     """Parse and resolve a program against a model's config and tokenizer. Raises a located DeltaError.
 
     `model`: None (the program's `model` line, else the bundled model), a checkpoint
     path or id, a `ModelSpec`, or anything with a `.spec` (a loaded model).
     `prompt`: the prompt of the implicit top-level run `main` (the CLI's --prompt).
     Every warning of the program (`.warnings` of the result) also goes through `warnings.warn`.
-    `program`: `text` already parsed (`Experiment.from_source` parsed it to find its `model` line).
+    `program`: `text` already parsed, by `parse` or `parse_partial` (whose errors are raised here as when `check`
+    parses: beside the resolver's errors of the rest); the entry points parse a program once and pass it on.
     """
-    if program is None:
-        partial = parse_partial(text, filename)
-        if partial.errors:
-            raise _with_resolve_errors(partial, model, text, filename, prompt, trust_remote_code)
-        program = partial.program
+    parsed = parse_partial(text, filename) if program is None else program
+    if isinstance(parsed, Partial):
+        if parsed.errors:
+            raise _with_resolve_errors(parsed, model, text, filename, prompt, trust_remote_code)
+        parsed = parsed.program
     try:
-        spec = _spec_for(model, program, trust_remote_code)
-        resolved = resolve(program, spec, prompt_override=prompt, source=text, filename=filename)
+        spec = _spec_for(model, parsed, trust_remote_code)
+        resolved = resolve(parsed, spec, prompt_override=prompt, source=text, filename=filename)
     except DeltaError as e:
         raise e.located(text, filename) from None
     for w in resolved.warnings:

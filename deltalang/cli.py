@@ -7,8 +7,9 @@ error in deltalang (a bug, please report it): Type: message` with exit 2 (the tr
 out of memory is `error: out of memory: ...`, exit 1; Ctrl-C exits 130; argparse's errors exit 2 with its usage.
 Options that would only fail once a model is loaded or has run are checked by `check_options` first (`--shard`
 and `--device` from a launcher's RANK/WORLD_SIZE/LOCAL_RANK where not given). Every command reads its program with
-`read_program`; every handler (`*_main`) is here and imports lazily: `--help`, `--version` and `fmt` never import
-torch, transformers or nnsight, `check` never nnsight; `check` and `fmt` colour (`lexer.highlight`) a terminal only.
+`read_program` and parses it once with `parsed_program` (`options`), passing the tree on; every handler (`*_main`)
+is here and imports lazily: `--help`, `--version` and `fmt` never import torch, transformers or nnsight, `check`
+never nnsight; `check` and `fmt` colour (`lexer.highlight`) a terminal only.
 """
 
 from __future__ import annotations
@@ -21,46 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import DeltaError, show_warnings_on_stderr
-from .options import (check_options, claim_out, refuse_ignored, refuse_over_dataset, refuse_shard,
-                      refuse_unused_prompt, shard_joined)
+from .options import (check_options, claim_out, parsed_program, read_program, refuse_ignored, refuse_over_dataset,
+                      refuse_shard, refuse_unused_prompt, shard_joined)
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .ast import Program
     from .compiled import Experiment
 
 DESCRIPTION = "deltalang: experiments on the recurrent memory of gated-DeltaNet blocks, compiled to nnsight."
-
-def read_program(args: argparse.Namespace) -> tuple[str, str]:
-    """(text, filename) of the program: `-e TEXT`, a UTF-8 file, or '-' for standard input (read once)."""
-    if getattr(args, "program", None) is not None:
-        return args.program
-    expr = getattr(args, "expr", None)
-    file = getattr(args, "file", None)
-    if expr is not None and file is not None:
-        raise DeltaError("give a program file or -e TEXT, not both")
-    if expr is not None:
-        return expr, "<-e>"
-    if file is None:
-        raise DeltaError("no program: give a .dl file, '-' for standard input, or -e TEXT")
-    if file == "-":
-        try:
-            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
-            return data.decode("utf-8"), "<stdin>"
-        except UnicodeDecodeError:
-            raise DeltaError("standard input is not UTF-8 text") from None
-        except (OSError, ValueError) as e:
-            raise DeltaError(f"cannot read standard input: {e}") from None
-    try:
-        return Path(file).read_text(encoding="utf-8"), str(file)
-    except FileNotFoundError:
-        raise DeltaError(f"no such file: {file}") from None
-    except IsADirectoryError:
-        raise DeltaError(f"{file} is a directory, not a program") from None
-    except UnicodeDecodeError:
-        raise DeltaError(f"{file} is not UTF-8 text") from None
-    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
-        raise DeltaError(f"cannot read {file}: {getattr(e, 'strerror', None) or e}") from None
-
 
 def _write_program_text(text: str) -> None:
     """Program text (`check`, `fmt`) on standard output: coloured on a terminal, plain when piped."""
@@ -79,16 +49,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 # ---- the commands: each handler gets the parsed arguments, returns the exit status ----------
 
 
-def _experiment(args: argparse.Namespace, program: tuple[str, str] | None = None) -> Experiment:
-    """The program of a command (`program`: its text and filename, already read) compiled against its model
-    (options already checked by `check_options`)."""
+def _experiment(args: argparse.Namespace) -> Experiment:
+    """The program of a command compiled against its model (options already checked by `check_options`)."""
     from .compiled import Experiment
 
-    source, filename = program or read_program(args)
+    source, filename = read_program(args)
     refuse_shard(args)
     exp = Experiment.from_source(source, args.model, filename=filename, prompt=args.prompt, device=args.device,
                                  dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                                 device_map=args.device_map)
+                                 device_map=args.device_map, program=parsed_program(args))
     refuse_unused_prompt(exp.resolved, args.prompt)
     return exp
 
@@ -114,13 +83,13 @@ def check_main(args: argparse.Namespace) -> int:
 
     try:
         text, filename = read_program(args)
-        if _over_dataset(text, filename):
+        if _over_dataset(args):
             return check_dataset(args, text, filename)
         with warnings.catch_warnings():  # the warnings are part of the output below
             warnings.simplefilter("ignore", DeltaWarning)
             resolved = check(text, getattr(args, "model", None), filename=filename,
                              prompt=getattr(args, "prompt", None),
-                             trust_remote_code=getattr(args, "trust_remote_code", False))
+                             trust_remote_code=getattr(args, "trust_remote_code", False), program=parsed_program(args))
         refuse_unused_prompt(resolved, getattr(args, "prompt", None))
         try:  # what `run` would refuse while ordering the runs (a cycle, a step a run lacks), max_new_tokens aside
             checked_plan(resolved)
@@ -133,15 +102,15 @@ def check_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _over_dataset(text: str, filename: str) -> bool:
-    """Whether a program runs over a dataset (a parse error is left to the command's own path)."""
-    from .parse import parse
+def _over_dataset(args: argparse.Namespace) -> bool:
+    """Whether the program runs over a dataset (a syntax error is left to the command's own path)."""
     from .resolve import uses_dataset
 
     try:
-        return uses_dataset(parse(text, filename))
+        parsed = parsed_program(args)
     except DeltaError:
         return False
+    return not parsed.errors and uses_dataset(parsed.program)
 
 
 def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
@@ -151,17 +120,16 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     from .dataset_run import load_datasets
     from .explain import format_resolved
     from .measures import refuse_per_token
-    from .parse import parse
     from .resolve import resolve_records
     from .spec import load_spec
 
     if getattr(args, "prompt", None) is not None:
         raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
-    program = parse(text, filename)
+    program = parsed_program(args).complete()
     model = getattr(args, "model", None) or next((i.name for i in program.items if isinstance(i, ast.ModelDecl)),
                                                  None)
     spec = load_spec(model, trust_remote_code=getattr(args, "trust_remote_code", False))
-    ds, recs = resolve_records(program, load_datasets(text, filename, None), spec, source=text, filename=filename)
+    ds, recs = resolve_records(program, load_datasets(program, filename, None), spec, source=text, filename=filename)
     first = next(r for r in recs if r.resolved is not None)
     try:  # a record's row is one number a measure
         refuse_per_token([m for run in first.resolved.runs if run.kind != "sweep" for m in run.measures],
@@ -183,11 +151,10 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
 def fmt_main(args: argparse.Namespace) -> int:
     """`deltalang fmt FILE [-w]`: print the program in canonical form, or rewrite the file."""
     from .ast import format_program
-    from .parse import parse
 
     try:
         text, filename = read_program(args)
-        program = parse(text, filename)
+        program = parsed_program(args).complete()
     except DeltaError as e:
         print(e.render(), file=sys.stderr)
         return 1
@@ -210,18 +177,18 @@ def fmt_main(args: argparse.Namespace) -> int:
 def emit_main(args: argparse.Namespace) -> int:
     """`deltalang emit FILE [--plan]`: the nnsight code a program compiles to, or its plan."""
     source, filename = read_program(args)
-    if _over_dataset(source, filename):  # a generate over a dataset: its largest group of records' forwards
+    if _over_dataset(args):  # a generate over a dataset: its largest group of records' forwards
         from .ast import ModelDecl
         from .dataset_generate import describe
         from .dataset_run import load_datasets, merge
-        from .parse import parse
         from .spec import load_spec
 
-        model = args.model or next((i.name for i in parse(source, filename).items if isinstance(i, ModelDecl)), None)
-        print(describe(source, filename, load_spec(model, trust_remote_code=args.trust_remote_code),
-                       load_datasets(source, filename, None), merge, plan=args.plan), end="")
+        program = parsed_program(args).complete()
+        model = args.model or next((i.name for i in program.items if isinstance(i, ModelDecl)), None)
+        print(describe(program, source, filename, load_spec(model, trust_remote_code=args.trust_remote_code),
+                       load_datasets(program, filename, None), merge, plan=args.plan), end="")
         return 0
-    exp = _experiment(args, (source, filename))
+    exp = _experiment(args)
     print(exp.format_plan() if args.plan else exp.code, end="")
     if args.plan and exp.has_sweeps:  # which path each sweep's cells take
         from .sweep.job import path_lines
@@ -234,9 +201,9 @@ def run_main(args: argparse.Namespace) -> int:
     """`deltalang run FILE [--out DIR]`: run a program, print its results (a program with sweeps: `sweep_main`)."""
     t0 = time.perf_counter()
     source, filename = read_program(args)
-    if _over_dataset(source, filename):  # a syntax error: `_experiment` reports it beside the resolver's errors
+    if _over_dataset(args):  # a syntax error: `_experiment` reports it beside the resolver's errors
         return dataset_main(args, source, filename)
-    exp = _experiment(args, (source, filename))
+    exp = _experiment(args)
     if exp.has_sweeps:
         return sweep_main(args, exp)
     if args.resume:
@@ -258,19 +225,20 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     from . import ast
     from .compiled import model_for
     from .dataset_run import FILES, load_datasets, run_dataset
-    from .parse import parse
-    refuse_over_dataset(args, source, filename)  # --prompt; --align without a sweep
+
+    program = parsed_program(args).complete()
+    refuse_over_dataset(args, program)  # --prompt; --align without a sweep
     t0 = time.perf_counter()
-    datasets = load_datasets(source, filename, None)  # the data's errors before a model loads
-    model = model_for(source, args.model, filename, device=args.device, dtype=args.dtype,
+    datasets = load_datasets(program, filename, None)  # the data's errors before a model loads
+    model = model_for(source, args.model, filename, program=program, device=args.device, dtype=args.dtype,
                       trust_remote_code=args.trust_remote_code, device_map=args.device_map)
-    if any(isinstance(i, ast.Sweep) for i in parse(source, filename).items):
-        return dataset_sweep_main(args, source, filename, model, datasets, t0)
+    if any(isinstance(i, ast.Sweep) for i in program.items):
+        return dataset_sweep_main(args, source, filename, model, datasets, t0, program)
     from rich.console import Console
 
     out = run_dataset(source, model, filename=filename, strict=bool(getattr(args, "strict", False)),
                       datasets=datasets, out=args.out, resume=bool(getattr(args, "resume", False)),
-                      console=Console(stderr=True), shard=args.shard)
+                      console=Console(stderr=True), shard=args.shard, program=program)
     print(out.summary())
     return _closing(args, t0, ", ".join(out.files() if hasattr(out, "files") else FILES))
 
@@ -287,7 +255,7 @@ def _closing(args: argparse.Namespace, t0: float, files: str, estimated: bool = 
 
 
 def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, model: Any, datasets: Any,
-                       t0: float) -> int:
+                       t0: float, program: Program) -> int:
     """`deltalang sweep FILE [--out DIR] [--resume] [--normalise ...] [--strict]` over a dataset: a mean per cell."""
     from rich.console import Console
 
@@ -301,7 +269,8 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
                             engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err,
                             method="attribution" if getattr(args, "attribution", False) else None,
                             steps=getattr(args, "steps", None), refine=getattr(args, "refine", None),
-                            path=args.path, align=args.align, shard=args.shard, refine_from=args.refine_from)
+                            path=args.path, align=args.align, shard=args.shard, refine_from=args.refine_from,
+                            program=program)
     print(out.summary())
     return _closing(args, t0, f"{', '.join(FILES)} and a heatmap per sweep and measure",
                     getattr(out, "phase", None) == "estimates")  # a refine's phase 1
@@ -318,9 +287,9 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     t0 = time.perf_counter()
     if exp is None:
         source, filename = read_program(args)
-        if _over_dataset(source, filename):
+        if _over_dataset(args):
             return dataset_main(args, source, filename)
-        exp = _experiment(args, (source, filename))
+        exp = _experiment(args)
     err = Console(stderr=True)
     stdout = Console() if sys.stdout.isatty() else Console(width=200)  # logs keep whole tables
     if not exp.has_sweeps:
@@ -459,7 +428,7 @@ def _command(args: argparse.Namespace, func: Callable[[argparse.Namespace], int]
     """The command, its options checked and its `--out` claimed; a run that fails leaves nothing that looks like
     results there (`results.OutDir.failed`)."""
     check_options(args)
-    claim = claim_out(args, read_program)
+    claim = claim_out(args)
     try:
         return func(args)
     except BaseException:

@@ -4,10 +4,10 @@
     exp.plan, exp.code, exp.run()["main.L0.states"]
 
 `get_model` / `model_for`: the model for a source (the given one, its `model` line, else the bundled
-one), loaded once per process; the source is parsed once. The code runs from `linecache` as
-`<deltalang:FILE>`; a DeltaError it raises is reported against its op's program line, anything else
-propagates as deltalang's bug. Sweeps run through the `sweep_driver` given (`run.compile` gives the
-engine's); without one `run()` refuses them.
+one), loaded once per process; the source is parsed once, or not at all when its caller passes the tree on
+(`program=`). The code runs from `linecache` as `<deltalang:FILE>`; a DeltaError it raises is reported against
+its op's program line, anything else propagates as deltalang's bug. Sweeps run through the `sweep_driver` given
+(`run.compile` gives the engine's); without one `run()` refuses them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .errors import DeltaError, Span
 from .explain import format_plan
 from .html import ProgressDisplay, progress_bar
 from .model import DeltaModel, load_model
-from .parse import parse
+from .parse import Partial, parse, parse_partial
 from .plan import Plan, build_plan
 from .results import Results
 
@@ -65,7 +65,7 @@ class Experiment:
 
     def __init__(self, source: str, model: DeltaModel, *, filename: str = "<program>",
                  prompt: str | None = None, batch: bool = True, resolved: Any = None,
-                 program: ast.Program | None = None,
+                 program: ast.Program | Partial | None = None,
                  sweep_driver: Callable[[Experiment], Results] | None = None) -> None:
         self.source = source
         self.filename = filename
@@ -84,15 +84,18 @@ class Experiment:
     @classmethod
     def from_source(cls, source: str, model: Any = None, *, filename: str = "<program>",
                     prompt: str | None = None, batch: bool = True,
-                    sweep_driver: Callable[[Experiment], Results] | None = None, **kw: Any) -> Experiment:
-        """Parse (once), check, plan and emit `source` against `model_for(source, model, **kw)`."""
-        try:
-            program = parse(source, filename) if model is None else None
-        except DeltaError:  # beside the syntax errors, the resolver's errors of the rest (`check` raises them all)
-            check(source, None, filename=filename, prompt=prompt, trust_remote_code=kw.get("trust_remote_code", False))
-            raise
-        return cls(source, model_for(source, model, filename, program=program, **kw), filename=filename,
-                   prompt=prompt, batch=batch, program=program, sweep_driver=sweep_driver)
+                    sweep_driver: Callable[[Experiment], Results] | None = None,
+                    program: ast.Program | Partial | None = None, **kw: Any) -> Experiment:
+        """Parse (once: `program`, when the caller parsed it), check, plan and emit `source` against
+        `model_for(source, model, **kw)`. Syntax errors are raised beside the resolver's errors of the rest (`check`
+        raises them all), before the model loads unless a model is given (the resolver's errors need its shape)."""
+        parsed = parse_partial(source, filename) if program is None else program
+        if isinstance(parsed, Partial) and parsed.errors and model is None:
+            check(source, None, filename=filename, prompt=prompt, trust_remote_code=kw.get("trust_remote_code", False),
+                  program=parsed)  # raises them
+        tree = parsed.program if isinstance(parsed, Partial) else parsed
+        return cls(source, model_for(source, model, filename, program=tree, **kw), filename=filename,
+                   prompt=prompt, batch=batch, program=parsed, sweep_driver=sweep_driver)
 
     @property
     def code(self) -> str:

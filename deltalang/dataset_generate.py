@@ -30,7 +30,6 @@ from .errors import DeltaError
 from .explain import format_plan
 from .ir import Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun
 from .model import DeltaModel
-from .parse import parse
 from .plan import BATCH_TOKENS, Plan, build_plan, expand_measure_steps
 from .resolve import RecordResolution, resolve_records
 from .resolve.dataset import measure_label
@@ -212,11 +211,12 @@ def check_note(resolutions: list[RecordResolution]) -> str | None:
             f"records of one prompt length share a generate: {len(groups)} forward group(s) (deltalang emit --plan)")
 
 
-def describe(source: str, filename: str, spec: ModelSpec, datasets: Mapping[str, Dataset],
+def describe(program: ast.Program, source: str, filename: str, spec: ModelSpec, datasets: Mapping[str, Dataset],
              merge: Callable[[list[tuple[int, Resolved]]], Resolved], *, plan: bool) -> str:
-    """`deltalang emit [--plan]` of a generate over a dataset: the plan (or code) of its largest group of records
-    sharing forwards, after a line naming them; nothing is loaded but the model's config and tokenizer."""
-    ds, recs = resolve_records(parse(source, filename), datasets, spec, source=source, filename=filename)
+    """`deltalang emit [--plan]` of a generate over a dataset (`program`: `source` parsed): the plan (or code) of its
+    largest group of records sharing forwards, after a line naming them; nothing is loaded but the model's config
+    and tokenizer."""
+    ds, recs = resolve_records(program, datasets, spec, source=source, filename=filename)
     if not generates(recs):
         raise DeltaError("a program over a dataset resolves once per record: `deltalang check` shows a record's "
                          "program, `deltalang emit` a generate's shared forwards; run it with `deltalang run`")

@@ -146,9 +146,8 @@ class DatasetResults:
         return html.dataset_table(self)
 
 
-def load_datasets(source: str, filename: str, data: Mapping[str, Any] | None) -> dict[str, Dataset]:
+def load_datasets(program: ast.Program, filename: str, data: Mapping[str, Any] | None) -> dict[str, Dataset]:
     """The program's datasets: `data`'s (from Python) first, else each declared file, relative to the .dl file."""
-    program = parse(source, filename)
     out = {name: dataset_from_python(name, d) for name, d in (data or {}).items()}
     base = Path(filename).parent if not filename.startswith("<") else Path.cwd()
     for decl in dataset_decls(program):
@@ -162,7 +161,8 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                 data: Mapping[str, Any] | None = None, strict: bool = False, batch: bool = True,
                 datasets: Mapping[str, Dataset] | None = None, out: str | Path | None = None, resume: bool = False,
                 console: Console | None = None, on_group: Callable[[list[int]], None] | None = None,
-                shard_bytes: int = SHARD_BYTES, shard: Any = None) -> DatasetResults | DatasetGeneration | Collection:
+                shard_bytes: int = SHARD_BYTES, shard: Any = None, program: ast.Program | None = None
+                ) -> DatasetResults | DatasetGeneration | Collection:
     """Run `source` over its dataset on `model` (see the module doc); `datasets`: already `load_datasets`'.
     A program that reads is a collection (`deltalang.collect`; `shard_bytes` a shard): its `Collection`; one
     that generates gives each record's continuation and measures per step (`deltalang.dataset_generate`).
@@ -170,13 +170,15 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     `out`: save each group of records as it finishes and the final files there; `resume`: continue the
     run in `out` (the groups done are not rerun); `console`: show progress there; `on_group(indices)`:
     after each group of records is saved; `shard` (`(K, N)`, "K/N"): run shard K of N of the records only,
-    saved in `out/shard-K-of-N` (`deltalang.shards`; `deltalang.merge` joins the parts).
+    saved in `out/shard-K-of-N` (`deltalang.shards`; `deltalang.merge` joins the parts). `program`: `source`
+    already parsed (the entry points parse it once); each record's program is made from this tree.
     """
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
-    program = parse(source, filename)
+    if program is None:
+        program = parse(source, filename)
     if datasets is None:
-        datasets = load_datasets(source, filename, data)
+        datasets = load_datasets(program, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
     refuse_per_record_vectors(resolutions, source, filename)
     part = shard_of(shard)

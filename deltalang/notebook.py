@@ -18,9 +18,12 @@ import argparse
 import shlex
 import sys
 import warnings
-from typing import Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from .errors import DeltaError, DeltaWarning
+
+if TYPE_CHECKING:
+    from .ast import Program
 
 CELL = "<cell>"  # the program's file name in messages
 
@@ -159,25 +162,26 @@ def _run(args: argparse.Namespace, cell: str, namespace: dict[str, Any]) -> Any:
     from .cli import check_options
     from .compiled import Experiment, model_for
     from .dataset_run import load_datasets, run_dataset
-    from .parse import parse
+    from .parse import parse_partial
     from .resolve import uses_dataset
 
     check_options(args)
     model = _model(args, namespace)
     load = dict(device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                 device_map=args.device_map)
-    if uses_dataset(parse(cell, CELL)):
+    parsed = parse_partial(cell, CELL)  # the one parse; its errors as the command line's, beside the resolver's
+    if not parsed.errors and uses_dataset(program := parsed.program):
         if args.prompt is not None:
             raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
-        datasets = load_datasets(cell, CELL, None)  # the data's errors before a model loads
-        on = model_for(cell, model, CELL, **load)
-        if any(isinstance(i, ast.Sweep) for i in parse(cell, CELL).items):
-            return _dataset_sweep(args, cell, on, datasets)
-        out = run_dataset(cell, on, filename=CELL, strict=args.strict, datasets=datasets)
+        datasets = load_datasets(program, CELL, None)  # the data's errors before a model loads
+        on = model_for(cell, model, CELL, program=program, **load)
+        if any(isinstance(i, ast.Sweep) for i in program.items):
+            return _dataset_sweep(args, cell, on, datasets, program)
+        out = run_dataset(cell, on, filename=CELL, strict=args.strict, datasets=datasets, program=program)
         if args.out is not None:
             print(f"wrote {out.save(args.out)}/", file=sys.stderr)
         return out
-    exp = Experiment.from_source(cell, model, filename=CELL, prompt=args.prompt, **load)
+    exp = Experiment.from_source(cell, model, filename=CELL, prompt=args.prompt, program=parsed, **load)
     if exp.has_sweeps:
         return _sweep(args, exp)
     from rich.console import Console
@@ -204,8 +208,8 @@ def _sweep(args: argparse.Namespace, exp: Any) -> Any:
     return outcome
 
 
-def _dataset_sweep(args: argparse.Namespace, cell: str, model: Any, datasets: Any) -> Any:
-    """A program with sweeps over a dataset (`sweep.dataset`): its DatasetSweepResults."""
+def _dataset_sweep(args: argparse.Namespace, cell: str, model: Any, datasets: Any, program: Program) -> Any:
+    """A program with sweeps over a dataset (`sweep.dataset`; `program`: the cell parsed): its DatasetSweepResults."""
     from rich.console import Console
 
     from .sweep.dataset import run_dataset_sweep
@@ -213,7 +217,7 @@ def _dataset_sweep(args: argparse.Namespace, cell: str, model: Any, datasets: An
     out = run_dataset_sweep(cell, model, filename=CELL, datasets=datasets, strict=args.strict,
                             normalise=args.normalise, out=args.out, resume=args.resume, batch_size=args.batch_size,
                             engine="naive" if args.naive else "auto", progress=True,
-                            console=Console(stderr=True, soft_wrap=True))
+                            console=Console(stderr=True, soft_wrap=True), program=program)
     if args.out is not None:
         print(f"wrote {args.out}/", file=sys.stderr)
     return out

@@ -1,9 +1,11 @@
-"""The command line's options checked before a command starts, and the ones a command would ignore.
+"""The command line's program and options: read and parsed once, checked before a command starts, refused where ignored.
 
+`read_program(args)`: the program's text and file name, read once (kept on `args.program`); `parsed_program(args)`:
+that text parsed once (`parse.parse_partial`, kept on `args.parsed`), the tree every handler passes on.
 `check_options(args)`: options that would fail only once a model is loaded or has run (`--prompt ""`,
 `--device`, `--remote`, an `--out` that cannot be written), and combinations that mean nothing (`--naive`
 with `--attribution`, `--resume` or `--replace` without `--out`; `--refine-from DIR` is the `--out`).
-`claim_out(args, read)` claims the `--out` directory for the program (`results.claim_out_dir`: never results
+`claim_out(args)` claims the `--out` directory for the program (`results.claim_out_dir`: never results
 beside another program's). `refuse_unused_prompt` (a `--prompt` no statement uses), `refuse_shard` and `refuse_over_dataset` (`--shard`, `--align`,
 `--prompt` where the program would ignore them) and `refuse_ignored` (an exact sweep's options under attribution; a
 `--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
@@ -16,12 +18,75 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .errors import DeltaError
 
+if TYPE_CHECKING:
+    from .ast import Program
+    from .parse import Partial
+
 # what `--device` may name; availability is asked of torch
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def read_program(args: argparse.Namespace) -> tuple[str, str]:
+    """(text, filename) of the program: `-e TEXT`, a UTF-8 file, or '-' for standard input (read once, kept on
+    `args.program`)."""
+    if getattr(args, "program", None) is None:
+        args.program = _read(args)
+    return args.program
+
+
+def parsed_program(args: argparse.Namespace) -> Partial:
+    """The program of `read_program` parsed once per command (`parse.parse_partial`, kept on `args.parsed`) and
+    passed on: its statements' errors are reported where it is checked, beside the resolver's errors of the rest
+    (`check`); a text that does not parse at all raises its error here, at every call."""
+    from .parse import parse_partial
+
+    parsed = getattr(args, "parsed", None)
+    if parsed is None:
+        text, filename = read_program(args)
+        try:
+            parsed = parse_partial(text, filename)
+        except DeltaError as e:
+            parsed = e
+        args.parsed = parsed
+    if isinstance(parsed, DeltaError):
+        raise parsed
+    return parsed
+
+
+def _read(args: argparse.Namespace) -> tuple[str, str]:
+    """`read_program`'s (text, filename), read."""
+    expr = getattr(args, "expr", None)
+    file = getattr(args, "file", None)
+    if expr is not None and file is not None:
+        raise DeltaError("give a program file or -e TEXT, not both")
+    if expr is not None:
+        return expr, "<-e>"
+    if file is None:
+        raise DeltaError("no program: give a .dl file, '-' for standard input, or -e TEXT")
+    if file == "-":
+        try:
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+            return data.decode("utf-8"), "<stdin>"
+        except UnicodeDecodeError:
+            raise DeltaError("standard input is not UTF-8 text") from None
+        except (OSError, ValueError) as e:
+            raise DeltaError(f"cannot read standard input: {e}") from None
+    try:
+        return Path(file).read_text(encoding="utf-8"), str(file)
+    except FileNotFoundError:
+        raise DeltaError(f"no such file: {file}") from None
+    except IsADirectoryError:
+        raise DeltaError(f"{file} is a directory, not a program") from None
+    except UnicodeDecodeError:
+        raise DeltaError(f"{file} is not UTF-8 text") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
+        raise DeltaError(f"cannot read {file}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def check_device(name: str) -> None:
@@ -93,23 +158,20 @@ def check_options(args: argparse.Namespace) -> None:
         raise DeltaError("--resume continues the run in --out, --replace deletes it: give one of them")
 
 
-def claim_out(args: argparse.Namespace, read: Callable[[argparse.Namespace], tuple[str, str]]) -> Any:
+def claim_out(args: argparse.Namespace) -> Any:
     """The `--out` directory claimed for this program (`results.claim_out_dir`), or None without --out."""
     if getattr(args, "out", None) is None:
         return None
     from .results import claim_out_dir
 
-    args.program = read(args)
     shard = getattr(args, "shard", None)  # shard K of N writes DIR/shard-K-of-N only (`deltalang.shards`)
     out = args.out if shard is None else f"{args.out}/{shard.name}"
     resume = args.resume
     if shard is not None:  # a resume of a part that never started is its start (`shards.resumes`)
-        from pathlib import Path
-
         from .shards import resumes
 
         resume = resumes(Path(out), resume)
-    return claim_out_dir(out, args.program[0], resume=resume, replace=args.replace)
+    return claim_out_dir(out, read_program(args)[0], resume=resume, replace=args.replace)
 
 
 def refuse_shard(args: argparse.Namespace) -> None:
@@ -124,21 +186,16 @@ def refuse_shard(args: argparse.Namespace) -> None:
     refuse_align(args)
 
 
-def refuse_over_dataset(args: argparse.Namespace, source: str, filename: str) -> None:
-    """What a program over a dataset would ignore: `--prompt` (its prompts are the records'), `--align` without a
-    sweep (checked before a model loads; a program that does not parse is reported where it is compiled)."""
+def refuse_over_dataset(args: argparse.Namespace, program: Program) -> None:
+    """What a program over a dataset (`program`, parsed) would ignore: `--prompt` (its prompts are the records'),
+    `--align` without a sweep (checked before a model loads)."""
     if getattr(args, "prompt", None) is not None:
         raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
     if getattr(args, "align", None) is None:
         return
     from . import ast
-    from .parse import parse
 
-    try:
-        items = parse(source, filename).items
-    except DeltaError:
-        return
-    if not any(isinstance(i, ast.Sweep) for i in items):
+    if not any(isinstance(i, ast.Sweep) for i in program.items):
         refuse_align(args, "runs over a dataset without a sweep")
 
 

@@ -71,16 +71,13 @@ def _lark() -> Lark:
 
 def parse(text: str, filename: str = "<program>") -> ast.Program:
     """Parse a program. Raises DeltaSyntaxError (or DeltaErrors) located in `text`."""
-    partial = parse_partial(text, filename)
-    if partial.errors:
-        errs = list(partial.errors)
-        raise (errs[0] if len(errs) == 1 else DeltaErrors(errs)).located(text, filename)
-    return partial.program
+    return parse_partial(text, filename).complete()
 
 
 @attrs.frozen
 class Partial:
     """A program parsed as far as it goes: what was built, each statement's error (located), and what was left out.
+    Parsed once, it is what the entry points pass on: `check` reports its errors beside the resolver's.
 
     `program` lacks the items and statements that failed (`dropped`: their source text); `statements_only`:
     every one of them is a statement (read, write, measure, route, step), no declaration or run, so the
@@ -91,6 +88,12 @@ class Partial:
     errors: tuple[DeltaError, ...]
     dropped: tuple[str, ...]
     statements_only: bool
+
+    def complete(self) -> ast.Program:
+        """The program when every statement built, else its errors (located) raised as `parse` raises them."""
+        if self.errors:
+            raise self.errors[0] if len(self.errors) == 1 else DeltaErrors(list(self.errors))
+        return self.program
 
 
 _STATEMENT_RULES = ("read", "write", "measure", "route", "step")

@@ -22,7 +22,7 @@ from . import ast
 from .compiled import Experiment, model_for
 from .dataset_run import DatasetResults, run_dataset
 from .errors import DeltaError
-from .parse import parse
+from .parse import Partial, parse_partial
 from .resolve import uses_dataset
 from .results import Results
 from .sweep import run_sweep, run_sweeps, sweep
@@ -45,8 +45,14 @@ def compile(source: str, model: Any = None, *, filename: str = "<program>", prom
     """
     if remote:
         raise DeltaError(REMOTE_REFUSAL)
+    return _compiled(source, model, filename, prompt, batch, None)
+
+
+def _compiled(source: str, model: Any, filename: str, prompt: str | None, batch: bool,
+              parsed: Partial | None) -> Experiment:
+    """`compile`'s Experiment, of `source` parsed here or already (`parsed`)."""
     return Experiment.from_source(source, model, filename=filename, prompt=prompt, batch=batch,
-                                  sweep_driver=_run_sweeps)
+                                  sweep_driver=_run_sweeps, program=parsed)
 
 
 def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: str | None = None,
@@ -72,12 +78,10 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
     """
     if remote:
         raise DeltaError(REMOTE_REFUSAL)
-    try:
-        program = parse(source, filename)
-    except DeltaError:  # beside the syntax errors, the resolver's errors of the rest (`compile` raises them all)
-        if data is None:
-            compile(source, model, filename=filename, prompt=prompt)
-        raise
+    parsed = parse_partial(source, filename)  # the one parse: the tree is passed on
+    if parsed.errors and data is None:  # beside the syntax errors, the resolver's errors of the rest (as `compile`)
+        _compiled(source, model, filename, prompt, batch, parsed)
+    program = parsed.complete()
     if data is not None or uses_dataset(program):
         if prompt is not None:
             raise DeltaError("prompt= does not apply to a program over a dataset: its prompts are the records'")
@@ -86,13 +90,13 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
         if any(isinstance(i, ast.Sweep) for i in program.items):
             return run_dataset_sweep(source, loaded, filename=filename, data=data, strict=strict,
                                      normalise=normalise, out=out, resume=resume, shard=part, align=align,
-                                     refine_from=refine_from)
+                                     refine_from=refine_from, program=program)
         for given, what in ((normalise, "normalise="), (align, "align="), (refine_from, "refine_from=")):
             if given is not None:
                 raise DeltaError(f"{what} applies to sweeps (over a dataset: a `sweep ... on facts...`); "
                                  "this program over a dataset has none")
         return run_dataset(source, loaded, filename=filename, data=data, strict=strict, batch=batch,
-                           out=out, resume=resume, shard=part)
+                           out=out, resume=resume, shard=part, program=program)
     if align is not None:
         raise DeltaError(f"align={align!r} counts a per-token measure's positions in a sweep over a dataset; this "
                          "program runs one prompt: drop it")
@@ -101,7 +105,7 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
         if given is not None:
             raise DeltaError(f"{what} applies to a program over a dataset; save a one-prompt run's results "
                              "with Results.save(DIR), and run sweeps with deltalang.run_sweep(..., out=DIR)")
-    return compile(source, model, filename=filename, prompt=prompt, batch=batch, remote=remote).run()
+    return _compiled(source, model, filename, prompt, batch, parsed).run()
 
 
 def _run_sweeps(exp: Experiment) -> Results:

@@ -196,19 +196,22 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                       on_record: Callable[[int], None] | None = None, method: str | None = None,
                       steps: int | None = None, refine: int | None = None,
                       path: str | None = None, align: str | None = None,
-                      shard: Any = None, refine_from: str | Path | None = None) -> DatasetSweepResults | DatasetAttribution:
+                      shard: Any = None, refine_from: str | Path | None = None, program: ast.Program | None = None
+                      ) -> DatasetSweepResults | DatasetAttribution:
     """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved.
 
     `method`, `steps`, `refine`, `path`: as `run_sweep`'s; a sweep by attribution (the program's `method
     attribution` or `method="attribution"`) gives a `DatasetAttribution` (`sweep.attribution_dataset`).
     `align`: what a per-token measure's positions are counted from: a field (`facts.subject`, `facts.subject[0]`)
     or -1, each record's end (the default; `sweep.aligned`). `shard`: as `dataset_run.run_dataset`'s; an
-    attribution's refine split by shards runs twice, the second time with `refine_from=DIR` (docs/shards.md)."""
+    attribution's refine split by shards runs twice, the second time with `refine_from=DIR` (docs/shards.md).
+    `program`: `source` already parsed (the entry points parse it once); each record's program is made from it."""
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
-    program = parse(source, filename)
+    if program is None:
+        program = parse(source, filename)
     if datasets is None:
-        datasets = load_datasets(source, filename, data)
+        datasets = load_datasets(program, filename, data)
     ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
     resolutions, out = select(ds, resolutions, part := shard_of(shard), refine_out(out, refine_from), source, "sweep",
                               model.spec.model_id, keep_done=refine_from is not None)
