@@ -314,13 +314,14 @@ class SpacedAnswers:
         """While `group`'s merged program runs: its warnings, each named by its record."""
         self.total += len(group)
         k = (lambda r: r.record.index) if len(group) > 1 else (lambda r: None)
-        records = {_renamed(m.result_name, run.name, k(r)): r.record for r in group if r.resolved is not None
-                   for run in r.resolved.runs for m in run.measures}
+        records = {_renamed(run.name, run.name, k(r)): r.record for r in group if r.resolved is not None
+                   for run in r.resolved.runs}  # a result is named after its run: `t#3.prob(...)`, `t#3.step0...`
 
         def take(w: DeltaWarning, file: str, line: int) -> bool:
-            if not isinstance(w, UnspacedWarning) or w.result not in records:
+            run = w.result.split(".", 1)[0] if isinstance(w, UnspacedWarning) else None
+            if run not in records:
                 return False
-            self.found.setdefault(w.span, []).append((w, records[w.result]))
+            self.found.setdefault(w.span, []).append((w, records[run]))
             return True
 
         with locating(take):
