@@ -6,8 +6,9 @@
 `get_model` / `model_for`: the model for a source (the given one, its `model` line, else the bundled
 one), loaded once per process; the source is parsed once, or not at all when its caller passes the tree on
 (`program=`). The code runs from `linecache` as `<deltalang:FILE>`; a DeltaError it raises is reported against
-its op's program line, anything else propagates as deltalang's bug. Sweeps run through the `sweep_driver` given
-(`run.compile` gives the engine's); without one `run()` refuses them.
+its op's program line, anything else propagates as deltalang's bug; a DeltaWarning it sends (`measures.unspaced`)
+is located at its line's statement. Sweeps run through the `sweep_driver` given (`run.compile` gives the
+engine's); without one `run()` refuses them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from . import ast
 from .bundled import NAME
 from .check import check
 from .emit import emit
-from .errors import DeltaError, Span
+from .errors import DeltaError, DeltaWarning, Span, locating
 from .explain import format_plan
 from .html import ProgressDisplay, progress_bar
 from .model import DeltaModel, load_model
@@ -129,7 +130,7 @@ class Experiment:
         namespace: dict[str, Any] = {"__name__": "deltalang_emitted", "__file__": name}
         exec(builtins.compile(self.code, name, "exec"), namespace)
         try:
-            with StepProgress(self.model, self.plan, progress):
+            with StepProgress(self.model, self.plan, progress), locating(self._warning_locator(name)):
                 values = namespace["experiment"](self.model)
         except DeltaError as e:  # the program's mistake, found as it ran: point at its line
             raise self._locate(e, name, e) from None
@@ -147,6 +148,15 @@ class Experiment:
         labels = {m.result_name: run_tokens.get(run, ()) for run, m in self.plan.measures if m.kind == "norm"}
         return Results(values, model=self.model, program=self.source, code=self.code, kinds=kinds,
                        token_labels=labels, code_file=self.code_file)
+
+    def _warning_locator(self, codename: str) -> Callable[[DeltaWarning, str, int], bool]:
+        """Locate a warning sent from line `line` of the emitted code at its program statement (and send it on)."""
+        def locate(warning: DeltaWarning, file: str, line: int) -> bool:
+            if warning.span is None and file == codename and line in self.emitted.line_map:
+                warning.span = self.emitted.line_map[line]
+                warning.located(self.source, self.filename)
+            return False
+        return locate
 
     def _locate(self, err: DeltaError, codename: str, exc: BaseException) -> DeltaError:
         tb = getattr(exc, "__intervention_tb__", None) or exc.__traceback__

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping
 
 import attrs
 
@@ -323,9 +324,11 @@ def run_generate(program: ast.Program, ds: Dataset, groups: list[list[RecordReso
                  skipped: tuple[tuple[int, str], ...], source: str, model: DeltaModel, *, filename: str, batch: bool,
                  out: str | Path | None, resume: bool, console: Console | None,
                  on_group: Callable[[list[int]], None] | None, merge: Callable[[list[tuple[int, Resolved]]], Resolved],
-                 stats: Callable[[str, list[float]], Any]) -> DatasetGeneration:
+                 stats: Callable[[str, list[float]], Any],
+                 taking: Callable[[list[RecordResolution]], ContextManager[None]] = lambda _: nullcontext()
+                 ) -> DatasetGeneration:
     """The generates of `groups` (`generate_groups` of the records run; see the module doc);
-    `out`/`resume`/`console`/`on_group` as `run_dataset`'s."""
+    `out`/`resume`/`console`/`on_group` as `run_dataset`'s; `taking(group)` while a group runs (its warnings)."""
     groups = [[attrs.evolve(r, resolved=with_tokens(r.resolved)) for r in g if r.resolved is not None] for g in groups]
     resolutions = [r for g in groups for r in g]
     columns = ["record", "line", *ds.fields, "measure", "step", "value"]
@@ -340,7 +343,8 @@ def run_generate(program: ast.Program, ds: Dataset, groups: list[list[RecordReso
     try:
         with RecordProgress(console, n, n, "records", head) as bar:
             for group in todo:
-                per.update(_run_group(program, ds, group, source, model, filename, batch, merge))
+                with taking(group):
+                    per.update(_run_group(program, ds, group, source, model, filename, batch, merge))
                 if store is not None:
                     for r in group:
                         store.add(r.record.index, [{k: row.get(k, "") for k in columns} for row in per[r.record.index]])

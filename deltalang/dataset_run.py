@@ -9,14 +9,16 @@ forwards (programs merged, runs renamed `NAME#k`, sorted by length, at most `MAX
 `plan.BATCH_TOKENS` padded tokens a forward). Records that do not resolve are left out and reported by
 data-file line (`strict=True`: the first is the error); the program's or data's errors are DeltaErrors
 before anything runs. `DatasetResults`: long-format `rows` and per measure mean, sample std, n and 95% CI
-(Student's t, `stats_of`); `save(DIR)` writes results.csv, summary.csv/json and program.dl.
+(Student's t, `stats_of`); `save(DIR)` writes results.csv, summary.csv/json and program.dl. A measure's answer
+without its leading space whose twin after a space is far likelier is one warning over the records (`SpacedAnswers`).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import attrs
 
@@ -29,10 +31,10 @@ from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, generate_groups, generates, run_generate
 from .dataset_store import (RecordProgress, RecordStore, format_stats, open_store, program_meta, write_long_csv,
                             write_summary, write_summary_json)
-from .datasets import Dataset, dataset_from_python, load_dataset
-from .errors import DeltaError, RecordsWarning, warn
+from .datasets import Dataset, Record, dataset_from_python, load_dataset
+from .errors import DeltaError, DeltaWarning, RecordsWarning, locating, warn
 from .ir import FromRun, Mean, Named, Resolved, ResolvedRun
-from .measures import refuse_per_token
+from .measures import UnspacedWarning, refuse_per_token
 from .model import DeltaModel
 from .parse import parse
 from .plan import BATCH_TOKENS
@@ -192,8 +194,11 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     groups = [g for g in groups if g[0].record.index in mine]
     skipped = left_out(ds, resolutions, strict)
     if kind == "generate":  # each record's continuation and measures per step (`deltalang.dataset_generate`)
+        spaced = SpacedAnswers(ds)
         got: Any = run_generate(program, ds, groups, skipped, source, model, filename=filename, batch=batch, out=out,
-                                resume=resume, console=console, on_group=on_group, merge=merge, stats=stats_of)
+                                resume=resume, console=console, on_group=on_group, merge=merge, stats=stats_of,
+                                taking=spaced.taking)
+        spaced.warn()
     elif kind == "collection":
         got = run_collection(program, ds, groups, labels, skipped, source, model, filename=filename, batch=batch,
                              out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes,
@@ -215,13 +220,15 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     n = sum(len(g) for g in todo)
     head = f"'{ds.name}': {n} record(s) to run in {len(todo)} forward group(s)" + (
         f", {len(resolutions) - len(skipped) - n} done before" if n < len(resolutions) - len(skipped) else "")
+    spaced = SpacedAnswers(ds)
     try:
         _run_groups(todo, per, store, columns, RecordProgress(console, n, n, "records", head), on_group,
-                    lambda group: _run_group(program, ds, group, source, model, filename, batch))
+                    lambda group: _run_group(program, ds, group, source, model, filename, batch, spaced))
     except BaseException:
         if store is not None:  # nothing that looks like results: no record done, nothing left
             store.abandon()
         raise
+    spaced.warn()
     rows = [row for i in sorted(per) for row in per[i]]
     result = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, source, share)
     if out is not None and store is not None:
@@ -258,8 +265,11 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
     store = CollectStore(Path(out), meta, resume, shard_bytes)
     groups = [g for g in groups if not all(r.record.index in store.done for r in g)]
 
+    spaced = SpacedAnswers(ds)
+
     def run(group: list[RecordResolution]) -> Collected:
-        return run_group(group, labels, lambda res: _experiment_run(source, model, filename, res, batch, ds, group),
+        return run_group(group, labels, lambda res: _experiment_run(source, model, filename, res, batch, ds, group,
+                                                                    spaced),
                          merge, lambda run_name, m: measure_label(program, run_name, m))
 
     first = run(groups[0]) if groups else None
@@ -289,14 +299,52 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
     except BaseException:
         store.abandon()
         raise
+    spaced.warn()
     return Collection(out)
 
 
+class SpacedAnswers:
+    """A dataset run's `measures.UnspacedWarning`s (an answer without its leading space, the same word after a space
+    far likelier), each measure's said once after the records: the first record's numbers, how many and which."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds, self.total = ds, 0  # the records run
+        self.found: dict[Any, list[tuple[UnspacedWarning, Record]]] = {}  # the measure's span -> (warning, record)
+
+    @contextmanager
+    def taking(self, group: list[RecordResolution]) -> Iterator[None]:
+        """While `group`'s merged program runs: its warnings, each named by its record."""
+        self.total += len(group)
+        k = (lambda r: r.record.index) if len(group) > 1 else (lambda r: None)
+        records = {_renamed(run.name, run.name, k(r)): r.record for r in group if r.resolved is not None
+                   for run in r.resolved.runs}  # a result is named after its run: `t#3.prob(...)`, `t#3.step0...`
+
+        def take(w: DeltaWarning, file: str, line: int) -> bool:
+            run = w.result.split(".", 1)[0] if isinstance(w, UnspacedWarning) else None
+            if run not in records:
+                return False
+            self.found.setdefault(w.span, []).append((w, records[run]))
+            return True
+
+        with locating(take):
+            yield
+
+    def warn(self) -> None:
+        for found in self.found.values():
+            w, first = found[0]
+            records = list({r.index: r for _, r in found}.values())
+            w.notes = (*w.notes, f"in {len(records)} of {self.total} records of '{self.ds.name}' (the numbers are "
+                                 f"record {first.index + 1}'s): {self.ds.listed(records)}")
+            warn(w)
+
+
 def _experiment_run(source: str, model: DeltaModel, filename: str, resolved: Resolved, batch: bool, ds: Dataset,
-                    group: list[RecordResolution]) -> Any:
-    """The results of a group's merged program (an error names the group's first record)."""
+                    group: list[RecordResolution], spaced: SpacedAnswers | None = None) -> Any:
+    """The results of a group's merged program (an error names the group's first record; `spaced` takes its
+    warnings of answers without their leading space)."""
     try:
-        return Experiment(source, model, filename=filename, resolved=resolved, batch=batch).run()
+        with spaced.taking(group) if spaced is not None else nullcontext():
+            return Experiment(source, model, filename=filename, resolved=resolved, batch=batch).run()
     except DeltaError as e:
         e.notes = (*e.notes, f"in record {group[0].record.index + 1} ({ds.where(group[0].record)})"
                    + (f" or one of the {len(group) - 1} run with it" if len(group) > 1 else ""))
@@ -319,10 +367,10 @@ def _run_groups(todo: list[list[RecordResolution]], per: dict[int, list[dict[str
 
 
 def _run_group(program: ast.Program, ds: Dataset, group: list[RecordResolution], source: str, model: DeltaModel,
-               filename: str, batch: bool) -> dict[int, list[dict[str, Any]]]:
+               filename: str, batch: bool, spaced: SpacedAnswers) -> dict[int, list[dict[str, Any]]]:
     """The rows of a group of records that share forwards, by record."""
     merged = merge([(r.record.index, r.resolved) for r in group if r.resolved is not None])
-    results = _experiment_run(source, model, filename, merged, batch, ds, group)
+    results = _experiment_run(source, model, filename, merged, batch, ds, group, spaced)
     out: dict[int, list[dict[str, Any]]] = {}
     for r in group:
         assert r.resolved is not None

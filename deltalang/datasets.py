@@ -60,6 +60,11 @@ class Dataset:
         """`facts.jsonl:3` (a file's line) or `<data>: row 3` (data given from Python)."""
         return place(self.name, self.origin, record.line)
 
+    def listed(self, records: Sequence[Record], most: int = 5) -> str:
+        """`2 (facts.jsonl:2), 4 (facts.jsonl:4) and 3 more`: records as a warning names them."""
+        shown = ", ".join(f"{r.index + 1} ({self.where(r)})" for r in records[:most])
+        return shown + (f" and {len(records) - most} more" if len(records) > most else "")
+
 
 def place(name: str, origin: str, line: int) -> str:
     """Where dataset `name`'s record of data-file line `line` is: `facts.jsonl:3`, or `data 'facts' row 3` (data

@@ -3,9 +3,9 @@
 `number(x, digits)`: `digits` significant digits, never a fixed count of decimals (a norm of 4.18e-06 shows as
 `4.18e-06`, not `0.0000`; `.g`: trailing zeros dropped, `1` for 1.0), never a negative zero (-0.0 or a value
 that rounds to it is shown `0`); `nan` as `nan`. `signed(x)`: the same with its sign (`+1.2e-07`), for
-effects and estimates. `token(text)`: a token's decoded text as every table shows it: a space as `␣`, a
-newline as `⏎`, an empty piece as `?`, unquoted (`␣Paris`). Reads, statistics, sweeps and attribution all
-format through here; `cell(x)`, a sweep grid's, keeps its trailing zeros (a column's width then does not
+effects and estimates. `token(text)`: a token's decoded text as every table and message shows it: a space as
+`␣`, a newline as `⏎`, a tab as `⇥`, an empty piece as `?`, unquoted (`␣Paris`; never the tokenizer's spelling
+'ĠParis'). Reads, statistics, sweeps, attribution, `check` and warnings all format through here; `cell(x)`, a sweep grid's, keeps its trailing zeros (a column's width then does not
 hang on the last digit); stored values (CSV, JSON, safetensors) stay raw.
 """
 
@@ -54,5 +54,5 @@ def signed(x: float, digits: int = 3) -> str:
 
 
 def token(text: str) -> str:
-    """A decoded token as tables show it: `␣` for a space, `⏎` for a newline, `?` for an empty piece."""
-    return (text or "?").replace(" ", "␣").replace("\n", "⏎")
+    """A decoded token as tables show it: `␣` for a space, `⏎` for a newline, `⇥` for a tab, `?` for an empty piece."""
+    return (text or "?").replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥")

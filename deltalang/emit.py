@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from . import measures
+from . import display, measures
 from .errors import DeltaPlanError, Span
 from .ir import (HEAD_AXIS, Arith, Const, Donor, FromRun, Load, Mean, MeanDirection, Named, Scale, Steer, Zeros,
                  expr_atoms)
@@ -231,7 +231,7 @@ def emit_head_write(w: _Writer, op: PlanOp, depth: int, note: str) -> None:
 def _token_note(run: RunPlan, op: PlanOp, tokens: dict[str, tuple[str, ...]]) -> str:
     toks = tokens.get(run.name, ())
     if op.position is not None and op.position < len(toks) and op.value in ("state_after", "conv_window_after"):
-        return f"token {op.position} = {toks[op.position]!r}"
+        return f"token {op.position} = {display.token(toks[op.position])}"
     return ""
 
 
@@ -421,6 +421,10 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
         fn = "reduced" if m.reduce is not None else m.kind
         w.add(1, f"results[{m.result_name!r}] = measures.{fn}({', '.join(args)})", m.span,
               "teacher forcing: sum of log-probabilities" if m.forced else "")
+        for text, token, twin in zip(m.token_texts, m.token_ids, m.spaced):
+            if twin is not None and not m.forced:  # an answer without its leading space: warn if its twin is far likelier
+                w.add(1, f"measures.unspaced({args[0]}, {text!r}, {token}, {twin}, {m.result_name!r})", m.span,
+                      f"{display.token(' ' + text)} is token {twin}")
     w.add(1, f"return {{k: v for k, v in results.items() if not k.startswith({HIDDEN!r})}}")
     w.blank()
     w.blank()

@@ -9,7 +9,9 @@ program runs, but something in it was not taken exactly as written (a quoted
 position that cuts a token, a prompt of unknown words, a `model` line the
 caller's model overrides). It is a `UserWarning`, so `warn()` sends it through
 Python's `warnings` module, attributed to the first caller outside deltalang;
-`show_warnings_on_stderr()` makes the command line print each one, rendered.
+`show_warnings_on_stderr()` makes the command line print each one, rendered. A warning sent while code
+runs (a compiled program's) goes through each `locating()` in force, innermost first: one maps the caller's file
+and line to the program's span, one may take it instead of sending it (a dataset run's, to say it once).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Iterable, Self, TextIO
+from typing import Callable, Iterable, Iterator, Self, TextIO
 
 import attrs
 
@@ -98,6 +101,18 @@ class RecordsWarning(DeltaWarning):
 
 
 _PACKAGE = str(Path(__file__).resolve().parent) + os.sep
+_LOCATORS: list[Callable[[DeltaWarning, str, int], bool]] = []
+
+
+@contextmanager
+def locating(locate: Callable[[DeltaWarning, str, int], bool]) -> Iterator[None]:
+    """While inside: `locate(warning, file, line)` of each `warn()`, with its first caller outside deltalang (a
+    compiled program's code: `compiled.Experiment` maps the line to the program's span); True: taken, not sent."""
+    _LOCATORS.append(locate)
+    try:
+        yield
+    finally:
+        _LOCATORS.remove(locate)
 
 
 def warn(warning: DeltaWarning) -> None:
@@ -106,6 +121,9 @@ def warn(warning: DeltaWarning) -> None:
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
+    where = (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("", 0)
+    if any(locate(warning, *where) for locate in reversed(_LOCATORS)):
+        return
     warnings.warn(warning, stacklevel=level)
 
 

@@ -3,9 +3,10 @@
 `format_resolved()` prints a resolved program the way `deltalang check` shows it:
 the model, every prompt's tokens, every run, every op in source order, and what
 every position resolved to, with the token there (`L0.state_after("Tower") ->
-position 3 ('ĠTower')`). Counting tokens by hand is the slip researchers make
-most; this is where they see the count. The resolver's warnings are part of it,
-rendered like errors, before its last line.
+position 2 (␣Tower)`: tokens shown as tables show them, `display.token`). Counting tokens by hand is the slip researchers make
+most; this is where they see the count. An answer written without its leading space
+whose spaced twin is another token gets a note (the run warns when the twin is far likelier).
+The resolver's warnings are part of it, rendered like errors, before its last line.
 
 `format_plan()` prints a plan: its passes, the runs (invokes) of each, each op
 in forward order, and where each written value comes from in the results.
@@ -16,10 +17,14 @@ reads `ir`, `plan`, `ast`, `spec`; prints, decides nothing.
 
 from __future__ import annotations
 
-from . import ast
+from typing import Sequence
+
+from . import ast, display
+from .measures import UNSPACED_FACTOR
 from .ir import Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, format_source, token_note
 from .plan import STATES_AS_RUN, Plan, PlanOp
 from .spec import ModelSpec
+from .tokens import decoded
 
 
 # ---- a resolved program (`deltalang check`) ---------------------------------------
@@ -42,11 +47,11 @@ def describe_model(spec: ModelSpec) -> str:
 
 
 def _token_table(tokens: tuple[str, ...], width: int = 96) -> list[str]:
-    """`0 'T'  1 'h'  2 'e' ...`, wrapped."""
+    """`0 The  1 ␣Eiffel  2 ␣Tower ...` (`display.token`), wrapped."""
     lines: list[str] = []
     cur = ""
     for i, t in enumerate(tokens):
-        cell = f"{i} {t!r}"
+        cell = f"{i} {display.token(t)}"
         if cur and len(cur) + 2 + len(cell) > width:
             lines.append(cur)
             cur = cell
@@ -58,7 +63,7 @@ def _token_table(tokens: tuple[str, ...], width: int = 96) -> list[str]:
 
 
 def _position_note(position: int | None, position_var: str | None, tokens: tuple[str, ...]) -> str:
-    """` -> position 15 ('r')` for a resolved position, else nothing."""
+    """` -> position 15 (r)` for a resolved position, else nothing."""
     if position_var is not None or position is None:
         return ""
     return f" -> position {position}{token_note(tokens, position)}"
@@ -136,22 +141,34 @@ def format_measure(m: ResolvedMeasure, run: ResolvedRun, spec: ModelSpec) -> str
     step = "" if m.step is None else f"step {m.step}: "
     extra = ""
     if m.forced:
-        extra = " -> " + ", ".join(f"tokens {list(a)} {spec.tokenizer.convert_ids_to_tokens(list(a))}"
+        extra = " -> " + ", ".join(f"tokens {list(a)} ({' '.join(_shown(spec, a))})"
                                    for a in m.answers) + " (teacher forcing: sum of log-probabilities)"
     elif m.token_ids and m.kind != "top":
-        spelled = spec.tokenizer.convert_ids_to_tokens(list(m.token_ids))
-        extra = " -> " + ", ".join(f"token {i} ({s!r})" for i, s in zip(m.token_ids, spelled, strict=True))
+        extra = " -> " + ", ".join(f"token {i} ({s})" for i, s in zip(m.token_ids, _shown(spec, m.token_ids),
+                                                                       strict=True))
     elif m.kind == "norm" and m.position is not None and m.position_var is None:
         extra = f" -> position {m.position}{token_note(run.tokens, m.position)}"
     if m.at is not None:  # `measure ... at POS`: the logits of that position
         extra += f", the logits of position {m.at}{token_note(run.tokens, m.at)}"
     shape = "" if m.reduce is None else f", shape {m.reduce.shown()}"
-    return f"{step}measure {m.written}{extra} as {m.result_name}{shape}"
+    return f"{step}measure {m.written}{extra} as {m.result_name}{shape}" + "".join(
+        f"\n    note: {_unspaced_note(spec, text, twin)}" for text, twin in zip(m.token_texts, m.spaced) if twin is not None)
+
+
+def _unspaced_note(spec: ModelSpec, text: str, twin: int) -> str:
+    """What check says of an answer written without its leading space whose spaced twin is one other token."""
+    return (f"{ast.quote(text)} has no leading space; the word after a space is token {twin} "
+            f"({_shown(spec, [twin])[0]}), another token: the run warns if it is {UNSPACED_FACTOR:g} times as likely")
+
+
+def _shown(spec: ModelSpec, ids: Sequence[int]) -> tuple[str, ...]:
+    """Tokens as messages and tables show them (`display.token`: ␣Tower)."""
+    return tuple(display.token(t) for t in decoded(spec.tokenizer, ids))
 
 
 def _spell(spec: ModelSpec, text: str) -> tuple[str, ...]:
-    """A text's tokens as the tokenizer spells them."""
-    return tuple(spec.tokenizer.convert_ids_to_tokens(spec.token_ids(text)))
+    """A text's tokens, each decoded alone (`format_resolved` shows them through `display.token`)."""
+    return decoded(spec.tokenizer, spec.token_ids(text))
 
 
 # ---- a plan (`deltalang emit --plan`) ---------------------------------------------

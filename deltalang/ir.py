@@ -8,9 +8,8 @@ their axes resolved; `ResolvedRun.points()` and `ResolvedRun.instantiate()` expa
 them. The naming rules (`op_result_name`, `measure_result_name`, `measure_call_text`, `site_text`) are
 DESIGN's and live here alone: the resolver, the planner and the sweep engine name
 results through them. `format_source` is the one spelling of a resolved write's
-source (`check` and `emit --plan` print it; `token_note` names a position's token).
-
-Depends on `ast` (spans, quoting) and `spec` (the model's shape) only.
+source (`check` and `emit --plan` print it; `token_note` names a position's token, as `display` shows it).
+Depends on `ast` (spans, quoting), `display` and `spec` (the model's shape) only.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import attrs
 
-from . import ast
+from . import ast, display
 from .errors import DeltaWarning, Span
 from .spec import ModelSpec
 
@@ -235,6 +234,7 @@ class ResolvedMeasure:
     at: int | None = None  # `at POS`: the position whose logits are measured (None: the last)
     against_at: int | None = None  # kl `at POS`: the position of the other run's logits
     reduce: Reduce | None = None  # norm/project computed in the forward: the site's reduction, the measure's last
+    spaced: tuple[int | None, ...] = ()  # each answer's twin: itself after a space, one other token (`tokens.spaced_twin`)
 
     @property
     def forced(self) -> bool:
@@ -262,7 +262,7 @@ class ResolvedRun:
     prompt: str  # the prompt's name
     prompt_text: str
     token_ids: tuple[int, ...]
-    tokens: tuple[str, ...]  # each token as the tokenizer spells it: 'ĠTower'
+    tokens: tuple[str, ...]  # each token decoded alone: ' Tower' (`display.token` shows it: ␣Tower)
     max_new_tokens: int | None = None
     implicit: bool = False  # `main`, or a clean run of a prompt named in `from`/`kl`
     ops: tuple[ResolvedOp, ...] = ()
@@ -365,12 +365,12 @@ def measure_result_name(run: str, step: int | None, call: str, alias: str | None
 
 
 def token_note(tokens: Sequence[str], position: int | None) -> str:
-    """` ('ĠTower')`: the token at a position of a prompt's `tokens`, or which generated token it is."""
+    """` (␣Tower)`: the token at a position of a prompt's `tokens` (`display.token`), or which generated token."""
     if position is None or position < 0:
         return ""
     if position >= len(tokens):
         return f" (new token {position - len(tokens) + 1})"
-    return f" ({tokens[position]!r})"
+    return f" ({display.token(tokens[position])})"
 
 
 def format_source(src: WriteSource | None, runs: Sequence[ResolvedRun] = (), *, donor_key: str | None = None,
@@ -379,7 +379,7 @@ def format_source(src: WriteSource | None, runs: Sequence[ResolvedRun] = (), *, 
 
     `= zeros`, `*= 0.5` (the factor through `number`). A value taken from elsewhere
     is spelled with its donor made explicit (`check`): `from base.L0.state_after(3)
-    ('ĠTower')`, the token from the donor among `runs`; `= NAME (read in RUN)`;
+    (␣Tower)`, the token from the donor among `runs`; `= NAME (read in RUN)`;
     `= mean(p, q: 2 prompts, positions 3 4)`. Given `donor_key` it is the result the
     plan reads instead (`emit --plan`): `= ~base.L0.state_after(3)`.
     (`ast.format_source` prints a source as written, before it is resolved.)

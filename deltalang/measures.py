@@ -5,17 +5,20 @@ for one); `norm` takes a read value; `top(logits, k)` returns a `TopK` (ids and 
 first). A `Reduction` (`.head(k)`, `.norm(AXES)`, `.mean(AXES)`, `.project(D)`, and of a state's matrix
 `.svd(k)`, `.rank(tol)`, `.erank()`) is a chain of steps over a value's named axes, applied whole or streamed a block of positions at a time (`Reduction.stream`);
 `reduced_axes` says which axes a chain leaves. `arguments()` / `evaluate()` are the one dispatch from a
-measure's kind to its function, used by emitted code and the sweep engine alike.
+measure's kind to its function, used by emitted code and the sweep engine alike. `unspaced` warns where an answer
+written without its leading space is far less likely than the same word after a space (it measures nothing).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Sequence
 
 import torch
 
-from .errors import DeltaValueError
+from . import display
+from .errors import DeltaValueError, DeltaWarning, warn
 
 
 def _last(logits: torch.Tensor) -> torch.Tensor:
@@ -70,6 +73,40 @@ def logit_diff(logits: torch.Tensor, a: int | Sequence[int], b: int | Sequence[i
     seq_a = (a,) if isinstance(a, int) else tuple(a)
     seq_b = (b,) if isinstance(b, int) else tuple(b)
     return _scalar(answer_logprob(logits, seq_a) - answer_logprob(logits if logits_b is None else logits_b, seq_b))
+
+
+# An answer written without its leading space ('Paris' after "the city of") is warned of when the same word after a
+# space is at least this many times as likely at the position measured. Where the answer truly starts a word glued
+# to what precedes it (after a quote, a newline, a bracket) the unspaced token is the likelier one or close to it; a
+# hundredfold gap is the model saying the text continues with a space, so the number measures a token the model was
+# never going to write (logit-lens work's commonest slip), far past the noise of near-ties between the two spellings.
+UNSPACED_FACTOR = 100.0
+
+
+class UnspacedWarning(DeltaWarning):
+    """`unspaced`'s warning; `result`: the measure's result name (a dataset run names the record from it)."""
+
+    def __init__(self, message: str, result: str) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def unspaced(logits: torch.Tensor, answer: str, token: int, twin: int, result: str = "") -> None:
+    """An `UnspacedWarning` (`errors.warn`) where `token`, the answer `answer` written without its leading space,
+    is `UNSPACED_FACTOR` or more times less likely than `twin`, the same word after a space, at the position the
+    measure `result` reads (`logits` as the measure takes them; of several prompts, the one with the largest gap)."""
+    p = _last(logits).softmax(-1)  # as `prob` computes them: the numbers it prints
+    mine, other = p[:, token].double(), p[:, twin].double()
+    ratio = other / mine.clamp_min(torch.finfo(torch.float64).tiny)
+    row = int(ratio.argmax())
+    if float(other[row]) < UNSPACED_FACTOR * float(mine[row]):
+        return
+    warn(UnspacedWarning(
+        f"{json.dumps(answer, ensure_ascii=False)} has no leading space: its token {token} "
+        f"({display.token(answer)}) has probability {display.number(float(mine[row]), display.MEASURE_DIGITS)} where this measure reads, the "
+        f"same word after a space ({display.token(' ' + answer)}, token {twin}) {display.number(float(other[row]), display.MEASURE_DIGITS)}, "
+        f"{display.number(float(ratio[row]), 3)} times as likely; for the word after a space measure "
+        f"{json.dumps(' ' + answer, ensure_ascii=False)}", result))
 
 
 def kl(logits: torch.Tensor, reference: torch.Tensor) -> float | torch.Tensor:

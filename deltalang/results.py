@@ -131,15 +131,6 @@ class Results(Mapping[str, Any]):
         return {k: [tok.decode(row) for row in v.tolist()] for k, v in self.tensors.items()
                 if self._kind(k) == "tokens"}
 
-    def _token(self, piece: str) -> str:
-        """A token the tokenizer spells `piece` ('ĠTower'), as tables show tokens (`display.token`: `␣Tower`)."""
-        tok = self._model.tokenizer if self._model is not None else None
-        try:
-            text = tok.convert_tokens_to_string([piece]) if tok is not None else piece
-        except (AttributeError, KeyError, TypeError, ValueError):
-            text = piece
-        return display.token(text)
-
     def _kind(self, key: str) -> str:
         return self._kinds.get(key) or key.rsplit(".", 1)[-1]
 
@@ -167,7 +158,7 @@ class Results(Mapping[str, Any]):
                 over = ", ".join(axis_names("states", 5, block)[2:])  # type: ignore[index]
                 lines.append(f"{k:48} per token, {NORM} over {over}:")
                 for label, x in zip(self._labels[k], v[0].tolist()):
-                    lines.append(f"    {self._token(label):14} {display.number(x)}")
+                    lines.append(f"    {display.token(label):14} {display.number(x)}")
             else:
                 normed = True
                 shape = named_shape(self._kind(k), v.shape, re.search(r"\.head\(\d+\)$", k) is not None, block)

@@ -1,8 +1,9 @@
-"""Prompts as the model's tokens: ids, each token's character span and spelling.
+"""Prompts as the model's tokens: ids, each token's character span and its text decoded alone.
 
 `tokenize(spec, text)` is the one place a prompt becomes tokens for the
 language (positions, quoted pieces, answers); `token_id` tokenizes an answer on
-its own. Depends on `spec` only.
+its own, `spaced_twin` finds the same word after a space; `decoded` is each token's text as messages and tables
+show it (through `display.token`: `␣Tower`, never the tokenizer's spelling 'ĠTower'). Depends on `spec` only.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from .spec import ModelSpec
 
 @attrs.frozen
 class PromptTokens:
-    """A prompt as the model sees it: ids, each token's character span, each token's spelling."""
+    """A prompt as the model sees it: ids, each token's character span, each token's text decoded alone."""
 
     text: str
     ids: tuple[int, ...]
     offsets: tuple[tuple[int, int], ...]
-    display: tuple[str, ...]
+    decoded: tuple[str, ...]  # ' Tower'; `display.token` shows it
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -69,8 +70,12 @@ def tokenize(spec: ModelSpec, text: str) -> PromptTokens:
         offsets = None
     if offsets is None:
         offsets = _decoded_offsets(tok, ids)
-    display = tuple(str(t) for t in tok.convert_ids_to_tokens(list(ids)))
-    return PromptTokens(text, ids, offsets, display)
+    return PromptTokens(text, ids, offsets, decoded(tok, ids))
+
+
+def decoded(tokenizer: Any, ids: Sequence[int]) -> tuple[str, ...]:
+    """Each token's text decoded alone (' Tower'), as every message and table shows tokens (`display.token`)."""
+    return tuple(str(tokenizer.decode([int(i)])) for i in ids)
 
 
 def _decoded_offsets(tok: Any, ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -87,3 +92,13 @@ def _decoded_offsets(tok: Any, ids: Sequence[int]) -> tuple[tuple[int, int], ...
 def token_id(spec: ModelSpec, text: str) -> list[int]:
     """The ids `text` tokenizes to on its own, without special tokens."""
     return [int(i) for i in spec.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def spaced_twin(spec: ModelSpec, text: str, ids: Sequence[int]) -> int | None:
+    """The one token of `" " + text` where `text`, an answer of one token `ids`, has no leading space and the
+    same word after a space is another single token ('Paris' -> ' Paris'); None otherwise (a tokenizer that
+    spells the space as a token of its own, or one that adds it itself, has no twin)."""
+    if len(ids) != 1 or not text or text[0].isspace():
+        return None
+    twin = token_id(spec, " " + text)
+    return twin[0] if len(twin) == 1 and twin[0] != ids[0] else None

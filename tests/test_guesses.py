@@ -78,30 +78,35 @@ def test_a_known_answer_is_no_error(spec: Any) -> None:
 # ---- quoted positions: a cut token or an unknown one is a warning ----------------------------
 
 
+def _shown(spec: Any, text: str) -> list[str]:
+    """Each token as messages show it: decoded alone, a space as ␣ (not the tokenizer's spelling 'ĠEiffel')."""
+    return [spec.tokenizer.decode([i]).replace(" ", "␣") for i in _ids(spec, text)]
+
+
 def _offsets(spec: Any, text: str) -> list[tuple[int, int]]:
     return [tuple(x) for x in spec.tokenizer(text, return_offsets_mapping=True)["offset_mapping"]]
 
 
 def test_a_piece_inside_a_token_warns_naming_the_token(spec: Any) -> None:
-    toks = spec.tokenizer.convert_ids_to_tokens(_ids(spec, CLEAN))
+    toks = _shown(spec, CLEAN)
     eiffel = next(i for i, (a, b) in enumerate(_offsets(spec, CLEAN)) if a <= CLEAN.index("Eiff") < b)
     with pytest.warns(DeltaWarning) as record:
         r = check(HEADER + 'read L0.state_after("Eiff")', spec, filename="p.dl")
     assert r.run("main").ops[0].position == eiffel
     (msg,) = _messages(r)
-    assert f"token {eiffel} ({toks[eiffel]!r})" in msg and '"Eiff"' in msg
+    assert f"token {eiffel} ({toks[eiffel]})" in msg and '"Eiff"' in msg
     assert [str(w.message) for w in record] == [w.render() for w in r.warnings]
     assert r.warnings[0].render().startswith("p.dl:2:21: warning: ")
 
 
 def test_a_piece_that_ends_inside_the_next_token_warns(spec: Any) -> None:
-    toks = spec.tokenizer.convert_ids_to_tokens(_ids(spec, CLEAN))
+    toks = _shown(spec, CLEAN)
     end = CLEAN.index("Eiffel ") + len("Eiffel ")
     tower = next(i for i, (a, b) in enumerate(_offsets(spec, CLEAN)) if a < end < b)
     r = _quiet_check(HEADER + 'read L0.state_after("Eiffel ")', spec)
     assert r.run("main").ops[0].position == tower
     (msg,) = _messages(r)
-    assert f"token {tower} ({toks[tower]!r})" in msg
+    assert f"token {tower} ({toks[tower]})" in msg
 
 
 @pytest.mark.parametrize("piece", ["Eiffel", "Tower", " Tower", "The Eiffel", "city of"])
@@ -123,7 +128,7 @@ def test_a_donor_piece_inside_a_token_warns(spec: Any) -> None:
     r = _quiet_check(HEADER + 'prompt other = "My favourite food is pizza with"\n'
                      'trace p on clean { write L0.state_after(1) from other.state_after("pizz") }', spec)
     (msg,) = _messages(r)
-    assert '"pizz"' in msg and "'Ġpizza'" in msg
+    assert '"pizz"' in msg and "(␣pizza)" in msg
 
 
 # ---- prompts of unknown words ---------------------------------------------------------------
@@ -211,7 +216,7 @@ def test_cli_check_prints_warnings_in_its_output(capsys: pytest.CaptureFixture[s
     out, err = capsys.readouterr()
     assert rc == 0 and err == ""
     assert "<-e>:1:1: warning: " in out and "Qwen/Qwen3.5-0.8B" in out
-    assert "<-e>:1:48: warning: " in out and "'ĠEiffel'" in out
+    assert "<-e>:1:48: warning: " in out and "(␣Eiffel)" in out and "Ġ" not in out
     assert out.rstrip().endswith("2 warnings")
 
 
@@ -221,7 +226,7 @@ def test_cli_run_prints_warnings_on_stderr(capsys: pytest.CaptureFixture[str]) -
     rc = main(["run", "-e", 'measure prob(" Paris"); read L0.state_after("Eiff") as s', "--prompt", CLEAN])
     out, err = capsys.readouterr()
     assert rc == 0
-    assert "<-e>:1:45: warning: " in err and "'ĠEiffel'" in err and "Traceback" not in err
+    assert "<-e>:1:45: warning: " in err and "(␣Eiffel)" in err and "Ġ" not in err and "Traceback" not in err
     assert 'main.prob(" Paris")' in out and "warning" not in out
 
 

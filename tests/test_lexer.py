@@ -89,7 +89,7 @@ def test_word_lists_agree_with_the_parser() -> None:
 
 
 def test_highlight_colours_and_keeps_the_text() -> None:
-    text = (ROOT / "examples" / "eiffel.dl").read_text(encoding="utf-8") + "    0 'The'  1 'ĠEiffel' -> x\n"
+    text = (ROOT / "examples" / "eiffel.dl").read_text(encoding="utf-8") + "    0 The  1 ␣Eiffel -> x\n"
     out = highlight(text)
     assert "\x1b[" in out
     assert ANSI.sub("", out) == text  # check's token tables stay plain, nothing lost

@@ -431,7 +431,7 @@ def test_cli_check_prints_positions(tiny_path: Callable[[str], Path], tmp_path: 
     prog.write_text('prompt clean = "The Eiffel Tower"\nread L0.state_after("Tower")\n')
     assert main(["check", str(prog), "--model", str(tiny_path("qwen3_5"))]) == 0
     out = capsys.readouterr().out
-    assert "read L0.state_after(\"Tower\") -> position 15 ('r') as main.L0.state_after(15)" in out
+    assert "read L0.state_after(\"Tower\") -> position 15 (r) as main.L0.state_after(15)" in out
 
 
 def test_cli_check_errors_exit_1(tiny_path: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -130,8 +130,8 @@ def test_check_prints_each_position_of_a_range(model: deltalang.DeltaModel) -> N
     resolved = deltalang.check(HEAD + "trace t on clean {\n    write L0.state_after(-2..0) = zeros\n}\n", model)
     text = format_resolved(resolved)
     n = len(model.tokenizer(CLEAN).input_ids)
-    assert f"write L0.state_after(-2) -> position {n - 2} ('o')" in text
-    assert f"write L0.state_after(-1) -> position {n - 1} ('f')" in text
+    assert f"write L0.state_after(-2) -> position {n - 2} (o)" in text
+    assert f"write L0.state_after(-1) -> position {n - 1} (f)" in text
 
 
 # ---- 2. measures at a position other than the last -----------------------------------------

@@ -317,7 +317,7 @@ def test_check_prints_a_mean_direction_shape_and_a_wrong_one_is_located(tmp_path
     head = 'prompt main = "The Eiffel"\nprompts a = ["Good day", "Fine"]\nprompt b = "Bad night"\n'
     text = format_resolved(check(head + "read L0.state_after(-1).project(mean(a) - mean(b)) as x\n"
                                  "measure project(L0.state_after(2).head(0), mean(a) - mean(b))\n", spec))
-    assert "read L0.state_after(-1).project(mean(a) - mean(b)) -> position 9 ('l') as x, shape [b=1]" in text, text
+    assert "read L0.state_after(-1).project(mean(a) - mean(b)) -> position 9 (l) as x, shape [b=1]" in text, text
     assert "measure project(L0.state_after(2).head(0), mean(a) - mean(b)) as main.project(" in text, text
     prog = tmp_path / "p.dl"
     for bad, col, what in [("measure project(L0.output, mean(a) - mean(b))\n", 28, "the mean of output"),

@@ -2,7 +2,7 @@
 
 The tiny checkpoints have four blocks (DeltaNet L0 L1 L2, attention L3) and a
 byte-level tokenizer: one token per byte, so "Tower" in "The Eiffel Tower ..."
-ends at position 15 ('r').
+ends at position 15 (r).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .. import ast
+from .. import ast, display
 from ..errors import Span
 from .scope import Alias, Scope, n_tokens
 
@@ -128,7 +128,7 @@ def unknown_words(scope: Scope, text: str, what: str, span: Span | None) -> None
     unknown = toks.unknown(scope.unk)
     if not unknown:
         return
-    words = list(dict.fromkeys(toks.text[slice(*toks.offsets[i])].strip() or toks.display[i] for i in unknown))
+    words = list(dict.fromkeys(toks.text[slice(*toks.offsets[i])].strip() or toks.decoded[i] for i in unknown))
     shown = ", ".join(ast.quote(w) for w in words[:8]) + (", ..." if len(words) > 8 else "")
     scope.warn(f"{what}: {len(unknown)} of {n_tokens(len(toks))} are unknown to this model's tokenizer, "
-               f"so the model reads {scope.spec.tokenizer.unk_token!r} in their place: {shown}", span)
+               f"so the model reads {display.token(scope.spec.tokenizer.unk_token)} in their place: {shown}", span)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from .. import ast
+from .. import ast, display
 from ..datasets import Dataset, Record
 from ..errors import RecordsWarning, Span
 from ..ir import FromRun, Resolved, ResolvedOp
@@ -91,16 +91,12 @@ def donor_token_warnings(program: ast.Program, ds: Dataset,
         out.append(RecordsWarning(
             f"in {len(found)} of {len(records)} records of '{ds.name}' the donor {donor} has another number of "
             f"tokens than the clean prompt and is read at another token: record {m.record.index + 1} "
-            f"({ds.where(m.record)}) has {m.clean!r} at {m.position} of {m.clean_tokens}, its donor {m.donor!r} at "
+            f"({ds.where(m.record)}) has {display.token(m.clean)} at {m.position} of {m.clean_tokens}, its donor "
+            f"{display.token(m.donor)} at "
             f"{m.donor_position} of {m.donor_tokens}; name the donor's own position: from {donor} at {field}",
             src.span,
-            notes=[f"records that differ: {_listed(ds, found)}"] if len(found) > 1 else []))
+            notes=[f"records that differ: {ds.listed([m.record for m in found])}"] if len(found) > 1 else []))
     return out
-
-
-def _listed(ds: Dataset, found: list[Mismatch], most: int = 5) -> str:
-    shown = ", ".join(f"{m.record.index + 1} ({ds.where(m.record)})" for m in found[:most])
-    return shown + (f" and {len(found) - most} more" if len(found) > most else "")
 
 
 def with_warnings(resolved: Resolved, extra: Sequence[Any], source: str, filename: str) -> Resolved:

@@ -15,12 +15,12 @@ from typing import Any, Iterator, Sequence
 
 import attrs
 
-from .. import ast, values
+from .. import ast, display, values
 from ..errors import Span
 from ..spec import text_config
 from ..ir import (ResolvedMeasure, ResolvedOp, ResolvedRun, SweepAxis, measure_call_text, measure_result_name,
                   op_result_name, site_text)
-from ..tokens import token_id
+from ..tokens import decoded, spaced_twin, token_id
 from .effects import check_write
 from .reductions import reduced_measures, reduced_read, wanted_measure
 from .scope import Ctx, Fail, Scope, Target, did_you_mean, n_tokens
@@ -108,7 +108,7 @@ def resolve_run(scope: Scope, run: ast.Trace | ast.Generate | ast.Sweep) -> Draf
     for a in axes:
         if a.var not in ctx.used:
             scope.error(f"sweep variable '{a.var}' is never used in the body of '{run.name}'", a.span)
-    head = ResolvedRun(run.name, kind, run.prompt, text, toks.ids, toks.display, max_new, False,
+    head = ResolvedRun(run.name, kind, run.prompt, text, toks.ids, toks.decoded, max_new, False,
                        route=ctx.route or scope.global_route, axes=axes, span=run.span,
                        method=run.method if isinstance(run, ast.Sweep) else None,
                        sampling=run.sampling if isinstance(run, ast.Generate) else None)
@@ -136,14 +136,14 @@ def resolve_main(scope: Scope) -> Draft | None:
     ctx = Ctx("main", "trace", scope.main_prompt, toks, None, {})
     past_context(scope, ctx, scope.main_items[0].span)
     ops, measures = resolve_body(scope, scope.main_items, ctx)
-    head = ResolvedRun("main", "trace", scope.main_prompt, text, toks.ids, toks.display, None, True,
+    head = ResolvedRun("main", "trace", scope.main_prompt, text, toks.ids, toks.decoded, None, True,
                        route=ctx.route or scope.global_route, span=scope.main_items[0].span)
     return Draft(head, ops, measures)
 
 
 def implicit_run(scope: Scope, decl: ast.PromptDecl) -> ResolvedRun:
     toks = scope.tokens(decl.text)
-    return ResolvedRun(decl.name, "trace", decl.name, decl.text, toks.ids, toks.display, None, True,
+    return ResolvedRun(decl.name, "trace", decl.name, decl.text, toks.ids, toks.decoded, None, True,
                        (), (), scope.global_route, (), span=decl.span)
 
 
@@ -336,8 +336,9 @@ def measure(scope: Scope, call: ast.MeasureCall, alias: str | None, ctx: Ctx) ->
         ids = tuple(a[0] for a in answers)
         text = measure_call_text(kind, texts, None, "")
         name = measure_result_name(ctx.name, step, text, alias, None, False)
+        spaced = tuple(spaced_twin(scope.spec, s, a) for s, a in zip(texts, answers, strict=True))
         return [ResolvedMeasure(kind, name, step, ids, texts, written=text, alias=alias, span=call.span,
-                                answers=answers)]
+                                answers=answers, spaced=spaced if any(spaced) else ())]
     if isinstance(call, ast.KL):
         run, _, _ = run_target(scope, call.run, call.span, ctx, "kl")
         text = f"kl({run})"
@@ -421,11 +422,12 @@ def answer_tokens(scope: Scope, text: str, span: Span, kind: str, ctx: Ctx) -> t
     unk = scope.spec.tokenizer.unk_token
     if scope.unk in ids:
         whole = f" (token {scope.unk})" if len(ids) == 1 else f" (token {scope.unk}, one of its {len(ids)} pieces)"
-        scope.fail(f"{ast.quote(text)} is not in this model's vocabulary: the tokenizer reads it as {unk!r}{whole}, "
-                   f"and a measure of {unk!r} is not one of {ast.quote(text)}", span)
+        scope.fail(f"{ast.quote(text)} is not in this model's vocabulary: the tokenizer reads it as "
+                   f"{display.token(unk)}{whole}, and a measure of {display.token(unk)} is not one of "
+                   f"{ast.quote(text)}", span)
     if len(ids) == 1:
         return ids
-    pieces = " ".join(repr(t) for t in scope.spec.tokenizer.convert_ids_to_tokens(list(ids)))
+    pieces = " ".join(display.token(t) for t in decoded(scope.spec.tokenizer, ids))
     where = {"rank": "`rank` takes one token", "generate": "a measure in a generate takes one token",
              "sweep": "a measure in a sweep takes one token"}
     why = where.get(kind) or where.get(ctx.kind)

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import attrs
 
-from .. import ast, values
+from .. import ast, display, values
 from ..errors import Span
 from ..ir import HEAD_AXIS
 from ..spec import ModelSpec
@@ -211,12 +211,12 @@ def piece(scope: Scope, pos: ast.PiecePos, toks: PromptTokens, prompt: str) -> i
                    pos.span, notes)
     cut = toks.cut(pos.text)
     if cut:
-        parts = " and ".join(f"token {i} ({toks.display[i]!r})" for i in cut)
+        parts = " and ".join(f"token {i} ({display.token(toks.decoded[i])})" for i in cut)
         scope.warn(f"{ast.quote(pos.text)} covers only part of {parts} in prompt '{prompt}': it names position "
-                   f"{found} ({toks.display[found]!r}), the whole token", pos.span)
+                   f"{found} ({display.token(toks.decoded[found])}), the whole token", pos.span)
     if found in toks.unknown(scope.unk):
         scope.warn(f"{ast.quote(pos.text)} falls on token {found} of prompt '{prompt}', a word the tokenizer does "
-                   f"not know: the model reads {toks.display[found]!r} there", pos.span)
+                   f"not know: the model reads {display.token(toks.decoded[found])} there", pos.span)
     return found
 
 

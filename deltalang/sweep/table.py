@@ -22,6 +22,7 @@ from ..errors import DeltaWarning, Span, warn
 from ..ir import ResolvedRun, SweepAxis
 from ..model import DeltaModel
 from ..results import for_display
+from ..tokens import decoded
 from .inline import table_html
 from .job import ResultRow
 from .store import CSV_NAME
@@ -85,8 +86,7 @@ class SweepTable:
 
 def decoded_tokens(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:
     """Each token of the run's prompt decoded (`' the'`), as stored (an attribution's CSV)."""
-    tok = model.tokenizer
-    return tuple(tok.decode([i]) for i in run.token_ids)
+    return decoded(model.tokenizer, run.token_ids)
 
 
 def token_texts(model: DeltaModel, run: ResolvedRun) -> tuple[str, ...]:

@@ -22,17 +22,17 @@ def experiment(model):
         with tracer.invoke(PROMPTS['q']):  # d (31 tokens, 3 padding)
             results['d.L0.state_input'] = model.layers[0].linear_attn.state_input.save()  # chain.dl:7
         with tracer.invoke(PROMPTS['p']):  # a (34 tokens, 0 padding)
-            model.layers[0].linear_attn.set_state_after(2, model.layers[0].linear_attn.state_after(2) * 0.5)  # chain.dl:6 token 2 = 'e'
+            model.layers[0].linear_attn.set_state_after(2, model.layers[0].linear_attn.state_after(2) * 0.5)  # chain.dl:6 token 2 = e
             results['a.L0.state_output'] = model.layers[0].linear_attn.state_output.save()  # chain.dl:6
-            results['~a.L1.state_after(4)'] = model.layers[1].linear_attn.state_after(4).save()  # chain.dl:5 token 4 = 'E'
+            results['~a.L1.state_after(4)'] = model.layers[1].linear_attn.state_after(4).save()  # chain.dl:5 token 4 = E
     # pass 2: b
     with torch.no_grad(), model.trace(PROMPTS['q'], logits_to_keep=1):
-        model.layers[1].linear_attn.set_state_after(4, results['~a.L1.state_after(4)'])  # chain.dl:5 token 4 = 'a'
+        model.layers[1].linear_attn.set_state_after(4, results['~a.L1.state_after(4)'])  # chain.dl:5 token 4 = a
         results['b_state'] = model.layers[1].linear_attn.state_output.save()  # chain.dl:5
-        results['~b.L2.state_after(4)'] = model.layers[2].linear_attn.state_after(4).save()  # chain.dl:4 token 4 = 'a'
+        results['~b.L2.state_after(4)'] = model.layers[2].linear_attn.state_after(4).save()  # chain.dl:4 token 4 = a
     # pass 3: c
     with torch.no_grad(), model.trace(PROMPTS['p'], logits_to_keep=1):
-        model.layers[2].linear_attn.set_state_after(4, results['~b.L2.state_after(4)'])  # chain.dl:4 token 4 = 'E'
+        model.layers[2].linear_attn.set_state_after(4, results['~b.L2.state_after(4)'])  # chain.dl:4 token 4 = E
         results['c.next_token_probs'] = model.next_token_probs.save()  # chain.dl:4
     return {k: v for k, v in results.items() if not k.startswith('~')}
 

@@ -27,13 +27,13 @@ def experiment(model):
     results['~mean(corpus).L1.state_after(2).avg'] = torch.stack([results['~mean(corpus)[0]#0.L1.state_after(2)'], results['~mean(corpus)[1]#1.L1.state_after(2)'], results['~mean(corpus)[2]#2.L1.state_after(2)']]).mean(dim=0)
     # pass 2: avg
     with torch.no_grad(), model.trace(PROMPTS['clean'], logits_to_keep=1):
-        results['kept'] = model.layers[0].linear_attn.state_after(1).save()  # mean.dl:5 token 1 = 'h'
-        model.layers[1].linear_attn.set_state_after(2, results['~mean(corpus).L1.state_after(2).avg'])  # mean.dl:6 token 2 = 'e'
+        results['kept'] = model.layers[0].linear_attn.state_after(1).save()  # mean.dl:5 token 1 = h
+        model.layers[1].linear_attn.set_state_after(2, results['~mean(corpus).L1.state_after(2).avg'])  # mean.dl:6 token 2 = e
         results['~avg.logits'] = model.logits.save()  # mean.dl:11
         results['avg.next_token_probs'] = model.next_token_probs.save()  # mean.dl:7
     # pass 3: reuse
     with torch.no_grad(), model.trace(PROMPTS['clean'], logits_to_keep=1):
-        model.layers[0].linear_attn.set_state_after(1, results['kept'])  # mean.dl:10 token 1 = 'h'
+        model.layers[0].linear_attn.set_state_after(1, results['kept'])  # mean.dl:10 token 1 = h
         results['~reuse.L1.state_output'] = model.layers[1].linear_attn.state_output.save()  # mean.dl:12
         results['~reuse.logits'] = model.logits.save()  # mean.dl:11
     results['reuse.kl(avg)'] = measures.kl(results['~reuse.logits'], results['~avg.logits'])  # mean.dl:11

@@ -18,12 +18,12 @@ def experiment(model):
     results = {}
     # pass 1: t
     with torch.no_grad(), model.trace(PROMPTS['clean'], logits_to_keep=1):
-        results['t.L0.conv_window_after(5)'] = model.layers[0].linear_attn.conv_window_after(5).save()  # order.dl:13 token 5 = 'i'
+        results['t.L0.conv_window_after(5)'] = model.layers[0].linear_attn.conv_window_after(5).save()  # order.dl:13 token 5 = i
         results['t.L0.decays'] = model.layers[0].linear_attn.decays.save()  # order.dl:12
         results['t.L0.attention_output'] = model.layers[0].linear_attn.attention_output.save()  # order.dl:11
-        model.layers[1].linear_attn.set_state_after(3, torch.zeros_like(model.layers[1].linear_attn.state_after(3)))  # order.dl:8 token 3 = 'Ġ'
-        results['t.L1.state_after(3)'] = model.layers[1].linear_attn.state_after(3).save()  # order.dl:9 token 3 = 'Ġ'
-        results['t.L1.state_after(7)'] = model.layers[1].linear_attn.state_after(7).save()  # order.dl:7 token 7 = 'f'
+        model.layers[1].linear_attn.set_state_after(3, torch.zeros_like(model.layers[1].linear_attn.state_after(3)))  # order.dl:8 token 3 = ␣
+        results['t.L1.state_after(3)'] = model.layers[1].linear_attn.state_after(3).save()  # order.dl:9 token 3 = ␣
+        results['t.L1.state_after(7)'] = model.layers[1].linear_attn.state_after(7).save()  # order.dl:7 token 7 = f
         results['t.L1.states'] = model.layers[1].linear_attn.states_as_run.save()  # order.dl:10
         results['t.L1.state_output'] = model.layers[1].linear_attn.state_output.save()  # order.dl:6
         results['t.L2.output'] = model.layers[2].output.save()  # order.dl:5
