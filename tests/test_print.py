@@ -204,3 +204,36 @@ def test_the_emitted_script_prints_what_run_prints(name: str, tmp_path: Path) ->
     for g, w in zip(DECIMAL.findall(proc.stdout), DECIMAL.findall(ran), strict=True):
         assert number_matches(g, w), f"{g} vs run's {w}\nscript:\n{proc.stdout}\nrun:\n{ran}"
     assert "per token" in ran and not UNNAMED_SHAPE.search(ran), ran
+
+
+def test_a_sweep_programs_other_results_print_as_run_prints_them(tmp_path: Path) -> None:
+    """A program with a sweep prints its traces' results as one without: `norm(L0.states)` per token, a reduction's
+    axes named (it printed one norm of the per-token norms and `[1, 4, 32, 32]`)."""
+    from test_cli import cli
+
+    program = tmp_path / "s.dl"
+    program.write_text('prompt clean = "The Eiffel Tower is in the city of"\n'
+                       'trace t on clean {\n    measure norm(L0.states)\n    read L1.states.mean(positions) as m\n}\n'
+                       'sweep s on clean over t in 0..2 {\n    write L0.state_after(t) = zeros\n'
+                       '    measure prob(" Paris")\n}\n', encoding="utf-8")
+    rc, out, err = cli("run", program)
+    assert rc == 0, err
+    assert "t.norm(L0.states)" in out and "per token" in out and "␣Tower" in out, out
+    assert "[b=1, heads=4, key_dim=32, value_dim=32]" in out and not UNNAMED_SHAPE.search(out), out
+
+
+def test_a_decode_steps_norm_is_not_labelled_with_the_prompts_first_token(tmp_path: Path) -> None:
+    """`step 1: measure norm(L0.states)` is the norm of the one new token's state, a token made as the program runs:
+    it printed as a per-token table of one row labelled with the prompt's first token (`The`)."""
+    from test_cli import cli
+
+    program = tmp_path / "g.dl"
+    program.write_text('prompt clean = "The Eiffel Tower is in the city of"\n'
+                       'generate g on clean max_new_tokens 2 {\n    step 0: measure norm(L0.states)\n'
+                       '    step 1: measure norm(L0.states)\n}\n', encoding="utf-8")
+    rc, out, err = cli("run", program)
+    assert rc == 0, err
+    step0 = out.split("g.step0.norm(L0.states)", 1)[1].split("g.step1", 1)[0]
+    assert "per token" in step0 and len(re.findall(r"^    \S", step0, re.M)) == 8, out
+    step1 = [line for line in out.splitlines() if line.startswith("g.step1.norm(L0.states)")]
+    assert len(step1) == 1 and "per token" not in step1[0] and step1[0].endswith("[b=1, s=1]"), out
