@@ -280,7 +280,6 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     """`deltalang sweep FILE [--out DIR] [--resume] [--batch-size N] [--normalise clean=A,corrupted=B]`."""
     from rich.console import Console
 
-    from .results import Results
     from .sweep import DeltaSweepError, render_tables, run_sweeps
     from .sweep.attribution import attribute, method_of
 
@@ -315,7 +314,7 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     cell_prefixes = tuple(f"{t.name}[" for t in outcome.tables)
     others = {k: v for k, v in outcome.results.items() if not k.startswith(cell_prefixes)}
     if others:
-        print(Results(others, model=exp.model).summary())
+        print(exp.results_of(others).summary())  # what each holds, as `run` shows a program without sweeps
     if out is not None:
         outcome.results.save(out)
         shown = ", ".join(str(f.relative_to(out)) if f.is_relative_to(out) else str(f) for f in outcome.files)

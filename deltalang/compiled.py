@@ -30,6 +30,7 @@ from .model import DeltaModel, load_model
 from .parse import Partial, parse, parse_partial
 from .plan import Plan, build_plan
 from .results import Results
+from .shown import shown
 
 _MODELS: dict[tuple, DeltaModel] = {}
 
@@ -141,13 +142,9 @@ class Experiment:
 
         `tokens`: the tokens of runs the resolved program does not list (a sweep's cells), by run name.
         """
-        kinds = {op.key: op.value for p in self.plan.passes for r in p.runs for op in r.ops if op.key}
-        kinds.update({m.result_name: m.kind for _, m in self.plan.measures})
-        run_tokens = {r.name: r.tokens for r in self.resolved.runs}
-        run_tokens.update(tokens or {})
-        labels = {m.result_name: run_tokens.get(run, ()) for run, m in self.plan.measures if m.kind == "norm"}
-        return Results(values, model=self.model, program=self.source, code=self.code, kinds=kinds,
-                       token_labels=labels, code_file=self.code_file)
+        how = shown(self.plan, tokens)
+        return Results(values, model=self.model, program=self.source, code=self.code, kinds=how.kinds,
+                       token_labels=how.token_labels, axes=how.axes, code_file=self.code_file)
 
     def _warning_locator(self, codename: str) -> Callable[[DeltaWarning, str, int], bool]:
         """Locate a warning sent from line `line` of the emitted code at its program statement (and send it on)."""

@@ -18,6 +18,7 @@ from .errors import DeltaPlanError, Span
 from .ir import (HEAD_AXIS, Arith, Const, Donor, FromRun, Load, Mean, MeanDirection, Named, Scale, Steer, Zeros,
                  expr_atoms)
 from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan
+from .shown import Shown, shown
 from .version import __version__
 
 INDENT = "    "
@@ -353,6 +354,34 @@ def emit_shared_generate(w: _Writer, p: Pass, depth: int, options: str, prompts:
                       f"{run.name}'s new tokens")
 
 
+def emit_main(w: _Writer, how: Shown) -> None:
+    """What a run of the script prints: `deltalang run`'s summary of the results (`Results.summary`), told what
+    each result holds, the axes of a reduction or one head, a per-token norm's tokens (`shown`); empty ones left out."""
+    notes = {"KINDS": ("kinds", how.untold_kinds(), "what a result holds where its name does not say it: how "
+                                                 "`deltalang run` prints it (Results.summary)"),
+             "AXES": ("axes", how.axes, "the axes of a reduction or of one head"),
+             "TOKENS": ("token_labels", how.token_labels, "the tokens of a per-token norm: its rows")}
+    passed = []
+    for name, (keyword, items, note) in notes.items():
+        if not items:
+            continue
+        passed.append(f"{keyword}={name}")
+        w.add(0, f"{name} = {{", note=note)
+        for k, v in items.items():
+            w.add(1, f"{k!r}: {v!r},")
+        w.add(0, "}")
+    if passed:
+        w.blank()
+        w.blank()
+    w.add(0, 'if __name__ == "__main__":')
+    w.add(1, "model = deltalang.load_model(MODEL)")
+    if not passed:
+        w.add(1, "print(deltalang.Results(experiment(model), model=model).summary())")
+        return
+    w.add(1, f"results = deltalang.Results({', '.join(['experiment(model)', 'model=model', *passed])})")
+    w.add(1, "print(results.summary())")
+
+
 def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None) -> Emitted:
     """The plan as a Python module defining `experiment(model) -> dict[str, Tensor | float]`."""
     resolved = plan.resolved
@@ -428,7 +457,5 @@ def emit(plan: Plan, *, filename: str = "<program>", model_id: str | None = None
     w.add(1, f"return {{k: v for k, v in results.items() if not k.startswith({HIDDEN!r})}}")
     w.blank()
     w.blank()
-    w.add(0, 'if __name__ == "__main__":')
-    w.add(1, "model = deltalang.load_model(MODEL)")
-    w.add(1, "print(deltalang.Results(experiment(model), model=model).summary())")
+    emit_main(w, shown(plan, tokens))
     return Emitted("\n".join(w.lines) + "\n", w.map)

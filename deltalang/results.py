@@ -2,10 +2,12 @@
 
 `Results` maps each result name to its value: a tensor for a read, a float (or per-prompt tensor) for a
 measure, token ids for `read tokens`, a `measures.TopK` for `top(k)`. `summary()` prints them as
-`deltalang run` does (shapes with the catalogue's axis names, norms named, a KL below 0 shown as 0:
-`shown_value`); values stay raw. `save(DIR)` writes `results.safetensors` (each tensor an independent
-copy; none without tensors) and `results.json` (with the versions that produced it). `check_out_dir`
-finds, touching nothing, whatever would stop a save, so commands refuse such an `--out` before loading.
+`deltalang run` does (shapes with the catalogue's axis names, or the `axes` given: a reduction's, one head's;
+norms named, a per-token norm as a table of its `token_labels`, a KL below 0 shown as 0: `shown_value`), told by
+`kinds` what a result holds (`shown.shown` says all three for a compiled program); values stay raw. `save(DIR)`
+writes `results.safetensors` (each tensor an independent copy; none without tensors) and `results.json` (with
+the versions that produced it). `check_out_dir` finds, touching nothing, whatever would stop a save, so commands
+refuse such an `--out` before loading.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .compat import pandas
 from .errors import DeltaError
 from .measures import TopK
 from .model import DeltaModel
+from .shown import named_kind
 from .values import CATALOGUE, DELTANET, MODEL_VALUES, shape_on
 from .version import __version__
 
@@ -56,6 +59,11 @@ def named_shape(kind: str, shape: Sequence[int], head: bool = False, block: str 
     names = axis_names(kind, len(shape) + (1 if head else 0), block)
     if head and names is not None:
         names = [n for n in names if n != "heads"] if "heads" in names else None
+    return shape_text(shape, names)
+
+
+def shape_text(shape: Sequence[int], names: Sequence[str] | None) -> str:
+    """`[b=1, heads=4]` with `names`, `[1, 4]` without."""
     if names is None:
         return "[" + ", ".join(str(n) for n in shape) + "]"
     return "[" + ", ".join(f"{a}={n}" for a, n in zip(names, shape)) + "]"
@@ -80,9 +88,10 @@ class Results(Mapping[str, Any]):
                  program: str | None = None, code: str | None = None,
                  kinds: Mapping[str, str] | None = None,
                  token_labels: Mapping[str, tuple[str, ...]] | None = None,
-                 code_file: str = "emitted.py") -> None:
+                 code_file: str = "emitted.py", axes: Mapping[str, Sequence[str]] | None = None) -> None:
         self._values = dict(values)
         self._kinds = dict(kinds or {})  # result name -> the value it holds ("next_token_probs", ...)
+        self._axes = {k: tuple(v) for k, v in (axes or {}).items()}  # a reduction's, one head's (`shown`)
         self._labels = dict(token_labels or {})  # per-token results: the run's tokens, for display
         self._model = model
         self.program = program
@@ -132,7 +141,7 @@ class Results(Mapping[str, Any]):
                 if self._kind(k) == "tokens"}
 
     def _kind(self, key: str) -> str:
-        return self._kinds.get(key) or key.rsplit(".", 1)[-1]
+        return self._kinds.get(key) or named_kind(key)
 
     def summary(self, top: int = 5) -> str:
         """What `deltalang run` prints: a line per result (shapes with axis names, norms named)."""
@@ -161,11 +170,19 @@ class Results(Mapping[str, Any]):
                     lines.append(f"    {display.token(label):14} {display.number(x)}")
             else:
                 normed = True
-                shape = named_shape(self._kind(k), v.shape, re.search(r"\.head\(\d+\)$", k) is not None, block)
+                shape = self._shape(k, v, block)
                 lines.append(f"{k:48} {NORM} {display.number(float(v.float().norm())):<10} {shape}")
         if normed:
             lines.append(f"({NORM}: the Frobenius norm over every axis of the tensor)")
         return "\n".join(lines)
+
+    def _shape(self, key: str, v: torch.Tensor, block: str) -> str:
+        """`[b=1, heads=4, key_dim=32, value_dim=32]`: the axes given for `key` (a reduction's, one head's), else
+        its kind's in the catalogue (one head's if its name ends in `.head(h)`)."""
+        names = self._axes.get(key)
+        if names is not None and len(names) == v.dim():
+            return shape_text(v.shape, names)
+        return named_shape(self._kind(key), v.shape, re.search(r"\.head\(\d+\)$", key) is not None, block)
 
     def __repr__(self) -> str:
         """A few lines: the summary's first dozen."""

@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "datasets": 1, "lexer": 1, "html": 1, "display": 1, "compat": 1, "internals": 1, "quiet": 1, "shard_file": 1, "allocator": 1,
     "spec": 2, "tokens": 2,
     "ast": 3, "parse": 3, "ir": 3, "resolve": 3, "check": 3,
-    "plan": 4, "batches": 4, "directions": 4, "emit": 4, "explain": 4,
+    "plan": 4, "batches": 4, "directions": 4, "emit": 4, "explain": 4, "shown": 4,
     "backends": 5, "deltarule": 5, "ssd": 5, "kernels": 5, "mixer": 5, "info": 5, "model": 5, "gradients": 5,
     "results": 6, "compiled": 6,
     "sweep": 7, "dataset_run": 7, "dataset_generate": 7, "dataset_store": 7, "collect": 7, "collection": 7, "shards": 7, "merge": 7,

@@ -31,6 +31,14 @@ def experiment(model):
     return {k: v for k, v in results.items() if not k.startswith('~')}
 
 
+KINDS = {  # what a result holds where its name does not say it: how `deltalang run` prints it (Results.summary)
+    't.L0.conv_window_after(5)': 'conv_window_after',
+    't.L1.state_after(3)': 'state_after',
+    't.L1.state_after(7)': 'state_after',
+}
+
+
 if __name__ == "__main__":
     model = deltalang.load_model(MODEL)
-    print(deltalang.Results(experiment(model), model=model).summary())
+    results = deltalang.Results(experiment(model), model=model, kinds=KINDS)
+    print(results.summary())
