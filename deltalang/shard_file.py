@@ -79,6 +79,7 @@ class Writer:
             except BaseException as e:  # handed to the caller by wait()
                 self._failed = e
             finally:
+                job = None  # what it wrote is not held while the thread waits for the next
                 self._jobs.task_done()
         self._jobs.task_done()
 
