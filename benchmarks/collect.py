@@ -11,7 +11,7 @@ what the command line does for itself) unless `--allocator default` leaves glibc
 "The allocator"). For each number of records: the median time of each (cases interleaved), deltalang / plain, the peak
 resident memory above the process's size before the case (sampled every 2 ms), the bytes written
 and the write rate (bytes / deltalang's time). Peak memory should not grow with the records: a
-group's values and at most one shard are held at once. The collection's first record is checked
+group's values and at most two shards (one being written) are held at once. The collection's first record is checked
 against a plain trace of the same model (rel. 1e-4).
 
     python benchmarks/collect.py [--records 128 1024] [--repeat 1] [--allocator kept|default]

@@ -8,9 +8,12 @@ of the template is a label named as written (`s.L0`); a record's values are its 
 forward. Writes `shard-NNNNN.safetensors` (fixed-shape labels one tensor per shard, record axis first;
 per-token values per record, `t.L1.states@17`, never padded), `index.jsonl` (a record is done when its
 line is), `progress.json` first and the manifest `collection.json` last (nothing looks complete before
-it). `resume=True` continues the same program, model and shard size (a group of records with one not saved
-runs whole, so every record shares its forward with the same records); a shard no index line names is
-removed. The output's size is checked against the free disk first. Problems are DeltaErrors.
+it). A shard is written once its records' values reach `shard_bytes`, or `shard_seconds` after the one before (a
+killed run loses the records since then); a record's values are held until their shard is written, no longer, so
+memory holds a group's values and at most two shards. `resume=True` continues the same program, model and shard
+size (a group of records with one not saved runs whole, so every record shares its forward with the same
+records); a shard no index line names is removed. The output's size is checked against the free disk first.
+Problems are DeltaErrors.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,6 +38,7 @@ from .results import axis_names
 from .values import DELTANET
 
 SHARD_BYTES = 256 * 2**20
+SHARD_SECONDS = 60.0  # a shard at least this often, whatever its size: what a kill can lose
 MANIFEST, PROGRESS, INDEX = "collection.json", "progress.json", "index.jsonl"
 KIND = "collection"
 
@@ -160,8 +165,10 @@ def check_fits(directory: Path, need: int, n: int) -> None:
 class CollectStore:
     """`DIR/progress.json`, then shards and `DIR/index.jsonl` record by record, then the manifest."""
 
-    def __init__(self, directory: Path, meta: Mapping[str, Any], resume: bool, shard_bytes: int) -> None:
-        self.dir, self.shard_bytes = directory, shard_bytes
+    def __init__(self, directory: Path, meta: Mapping[str, Any], resume: bool, shard_bytes: int,
+                 shard_seconds: float = SHARD_SECONDS) -> None:
+        self.dir, self.shard_bytes, self.shard_seconds = directory, shard_bytes, shard_seconds
+        self.last_write = time.monotonic()
         self.meta = dict(meta, kind=KIND, done=0, complete=False)
         self.entries: dict[int, dict[str, Any]] = {}
         self.made_dir = not directory.exists()
@@ -227,10 +234,11 @@ class CollectStore:
         os.replace(tmp, self.dir / PROGRESS)
 
     def add(self, record: int, entry: dict[str, Any], values: dict[str, torch.Tensor]) -> None:
-        """Buffer a record's values; write a shard once `shard_bytes` are buffered."""
+        """Buffer a record's values; write a shard once `shard_bytes` are buffered or `shard_seconds` have passed
+        since the last shard."""
         self.buffer.append((record, entry, values))
         self.buffered += sum(v.numel() * v.element_size() for v in values.values())
-        if self.buffered >= self.shard_bytes:
+        if self.buffered >= self.shard_bytes or time.monotonic() - self.last_write >= self.shard_seconds:
             self.flush()
 
     def flush(self) -> None:
@@ -248,7 +256,7 @@ class CollectStore:
         buffer = self.buffer
         self.writer.submit(lambda: self._write_shard(name, tensors, buffer))
         self.next_shard += 1
-        self.buffer, self.buffered = [], 0
+        self.buffer, self.buffered, self.last_write = [], 0, time.monotonic()
 
     def _write_shard(self, name: str, tensors: Mapping[str, torch.Tensor | list[torch.Tensor]],
                      buffer: list[tuple[int, dict[str, Any], dict[str, torch.Tensor]]]) -> None:
@@ -328,17 +336,22 @@ def prepare(program: ast.Program, resolutions: Sequence[RecordResolution], done:
 def run_group(group: Sequence[RecordResolution], labels: Mapping[int, Mapping[str, str]],
               run: Callable[[Resolved], Any], merge: Callable[[list[tuple[int, Resolved]]], Resolved],
               measure_label: Callable[[str, Any], str]) -> Collected:
-    """A group's values by record and label (each record's own: the batch axis dropped), and its measures."""
+    """A group's values by record and label (each record's own: the batch axis dropped), and its measures.
+    Taken read by read, each read's batch tensor dropped once every record's row of it is copied out, so that
+    the group's values and its forward's outputs are never all held at once."""
     parts = [(r.record.index, r.resolved) for r in group if r.resolved is not None]
     results = run(merge(parts))
-    values: dict[int, dict[str, torch.Tensor]] = {}
-    measures: dict[int, dict[str, float]] = {}
-    for (i, res), r in zip(parts, group):
-        k = f"#{i}" if len(parts) > 1 else ""
-        values[i] = {label: _own(results[_key(name, k)][0]) for name, label in labels[i].items()}
-        measures[i] = {measure_label(run_.name, m): float(results[_key(m.result_name, k)])
-                       for run_ in res.runs for m in run_.measures}
-    return Collected(values, measures)
+    keys = {i: f"#{i}" if len(parts) > 1 else "" for i, _ in parts}
+    measures = {i: {measure_label(run_.name, m): float(results[_key(m.result_name, keys[i])])
+                    for run_ in res.runs for m in run_.measures} for i, res in parts}
+    served = {(i, name): results[_key(name, keys[i])] for i, _ in parts for name in labels[i]}
+    del results  # the served tensors are now held by `served` only
+    values: dict[int, dict[str, torch.Tensor]] = {i: {} for i, _ in parts}
+    for name in dict.fromkeys(n for i, _ in parts for n in labels[i]):  # read by read: its rows, then its batch
+        for i, _ in parts:
+            if name in labels[i]:
+                values[i][labels[i][name]] = _own(served.pop((i, name))[0])
+    return Collected({i: {label: values[i][label] for label in labels[i].values()} for i, _ in parts}, measures)
 
 
 def _own(value: torch.Tensor) -> torch.Tensor:
@@ -364,13 +377,15 @@ def reads_of(resolved: Resolved, labels: Mapping[str, str]) -> dict[str, Resolve
 
 
 def collect_groups(program: ast.Program, ds: Dataset, groups: list[list[RecordResolution]], store: CollectStore,
-                   first: Collected, run: Callable[[list[RecordResolution]], Collected],
+                   ready: list[Collected], run: Callable[[list[RecordResolution]], Collected],
                    progress: RecordProgress, on_group: Callable[[list[int]], None] | None) -> dict[int, dict[str, float]]:
-    """Write each group's records (the first already run) to the store; the measures of every record done."""
+    """Write each group's records to the store; the measures of every record done. `ready`: the first group's
+    values if already run, taken out of the list, so that no group's values outlive their turn (the store holds
+    them until their shard is written)."""
     measures: dict[int, dict[str, float]] = {i: e.get("measures", {}) for i, e in store.entries.items()}
     with progress as bar:
-        for n, group in enumerate(groups):
-            got = first if n == 0 else run(group)
+        for group in groups:
+            got = ready.pop() if ready else run(group)
             new = [r for r in group if r.record.index not in store.entries]  # resumed: a group rerun whole
             for r in new:
                 i = r.record.index
@@ -378,6 +393,7 @@ def collect_groups(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
                          "tokens": record_tokens(r), "measures": got.measures[i]}
                 store.add(i, entry, got.values[i])
                 measures[i] = got.measures[i]
+            del got  # before the next group runs
             bar.advance(len(new), len(new))
             if on_group is not None:
                 on_group([r.record.index for r in new])

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import attrs
 
 from . import ast, html
-from .collect import SHARD_BYTES, CollectStore, Collected, check_fits, collect_groups, collects, estimate, prepare, \
-    reads_of, run_group, slots_of
+from .collect import SHARD_BYTES, SHARD_SECONDS, CollectStore, Collected, Slot, check_fits, collect_groups, collects, estimate, \
+    prepare, reads_of, run_group, slots_of
 from .collection import Collection
 from .compat import pandas
 from .compiled import Experiment
@@ -163,10 +163,12 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                 data: Mapping[str, Any] | None = None, strict: bool = False, batch: bool = True,
                 datasets: Mapping[str, Dataset] | None = None, out: str | Path | None = None, resume: bool = False,
                 console: Console | None = None, on_group: Callable[[list[int]], None] | None = None,
-                shard_bytes: int = SHARD_BYTES, shard: Any = None, program: ast.Program | None = None
+                 shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS, shard: Any = None,
+                 program: ast.Program | None = None
                 ) -> DatasetResults | DatasetGeneration | Collection:
     """Run `source` over its dataset on `model` (see the module doc); `datasets`: already `load_datasets`'.
-    A program that reads is a collection (`deltalang.collect`; `shard_bytes` a shard): its `Collection`; one
+    A program that reads is a collection (`deltalang.collect`; a shard at `shard_bytes` or every `shard_seconds`,
+    whichever comes first): its `Collection`; one
     that generates gives each record's continuation and measures per step (`deltalang.dataset_generate`).
 
     `out`: save each group of records as it finishes and the final files there; `resume`: continue the
@@ -202,7 +204,7 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     elif kind == "collection":
         got = run_collection(program, ds, groups, labels, skipped, source, model, filename=filename, batch=batch,
                              out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes,
-                             part=share)
+                             shard_seconds=shard_seconds, part=share)
     if kind != "run":
         finish(None if out is None else Path(out), part)
         return attrs.evolve(got, part=share) if kind == "generate" else got
@@ -255,14 +257,14 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
                    labels: Mapping[int, Mapping[str, str]], skipped: tuple[tuple[int, str], ...], source: str,
                    model: DeltaModel, *, filename: str, batch: bool, out: str | Path | None, resume: bool,
                    console: Console | None, on_group: Callable[[list[int]], None] | None,
-                   shard_bytes: int, part: Part | None = None) -> Collection:
+                   shard_bytes: int, shard_seconds: float = SHARD_SECONDS, part: Part | None = None) -> Collection:
     """A collection (`deltalang.collect`) of `groups` (`forward_groups`): the records' reads written to `out` as
     they finish; resumed, a group with a record not done runs whole (its records share its forward)."""
     if out is None:
         raise DeltaError("a run over a dataset that reads collects every record's values into files as it goes: "
                          "give --out DIR (out= from Python)")
     meta = program_meta(source, model.spec.model_id, shard_bytes=shard_bytes, records=len(ds.records))
-    store = CollectStore(Path(out), meta, resume, shard_bytes)
+    store = CollectStore(Path(out), meta, resume, shard_bytes, shard_seconds)
     groups = [g for g in groups if not all(r.record.index in store.done for r in g)]
 
     spaced = SpacedAnswers(ds)
@@ -272,20 +274,19 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
                                                                     spaced),
                          merge, lambda run_name, m: measure_label(program, run_name, m))
 
-    first = run(groups[0]) if groups else None
-    if first is not None:
+    ready = [run(groups[0])] if groups else []  # handed to collect_groups: held by nothing here once written
+    slots: list[Slot] = []
+    if ready:
         assert groups[0][0].resolved is not None
         ops = reads_of(groups[0][0].resolved, labels[groups[0][0].record.index])
-        slots = slots_of(next(iter(first.values.values())), ops, model.spec.family.block_kind)
-        check_fits(Path(out), estimate(first, groups, slots), sum(len(g) for g in groups))
-    else:
-        slots = []
+        slots = slots_of(next(iter(ready[0].values.values())), ops, model.spec.family.block_kind)
+        check_fits(Path(out), estimate(ready[0], groups, slots), sum(len(g) for g in groups))
     store.start(slots)
     n = sum(r.record.index not in store.done for g in groups for r in g)
     head = f"'{ds.name}': {n} record(s) to collect in {len(groups)} forward group(s)" + (
         f", {len(store.done)} done before" if store.done else "")
     try:
-        measures = collect_groups(program, ds, groups, store, first, run,  # type: ignore[arg-type]
+        measures = collect_groups(program, ds, groups, store, ready, run,
                                   RecordProgress(console, n, n, "records", head), on_group)
         rows = [{"record": i, "line": ds.records[i].line, **ds.records[i].fields, "measure": k, "value": v}
                 for i in sorted(measures) for k, v in measures[i].items()]

@@ -4,7 +4,8 @@
 laid end to end: a record axis first is the pieces stacked); the file is what `safetensors.torch.save_file` of
 the joined tensors holds, without joining or copying them, flushed and synced to disk (`sync`, which every
 file a run saves goes through). `Writer.submit(job)` runs
-one job at a time on one thread (`submit` first waits for the one before); `wait()` re-raises a job's failure
+one job at a time on one thread (`submit` first waits for the one before; a job run is let go, and what it
+wrote with it); `wait()` re-raises a job's failure
 in the caller, `close()` waits and stops. A collection's shards are written
 this way while the next records' forward runs.
 """
@@ -79,6 +80,7 @@ class Writer:
             except BaseException as e:  # handed to the caller by wait()
                 self._failed = e
             finally:
+                job = None  # what it wrote is not held while the thread waits for the next
                 self._jobs.task_done()
         self._jobs.task_done()
 
