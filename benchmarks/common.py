@@ -14,18 +14,17 @@ from typing import Callable
 import torch
 
 
-def qwen35_08b_shaped(vocab_size: int = 248320, seed: int = 0) -> torch.nn.Module:
-    """Random weights, Qwen3.5-0.8B's shapes: hidden 1024, 24 blocks (18 DeltaNet), 16 value heads of 128."""
+def qwen35_08b_shaped(vocab_size: int = 248320, seed: int = 0, layers: int = 24) -> torch.nn.Module:
+    """Random weights, Qwen3.5-0.8B's shapes: hidden 1024, 24 blocks (18 DeltaNet), 16 value heads of 128;
+    `layers`: the first that many blocks of its layout only (6: five DeltaNet blocks and one attention block)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
     cfg = Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        vocab_size=vocab_size, hidden_size=1024, intermediate_size=3584, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16,
-        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
-        + ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
-        + ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        layer_types=((["linear_attention"] * 3 + ["full_attention"]) * 6)[:layers],
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )

@@ -4,26 +4,31 @@ Side by side, in one run, on a random model with Qwen3.5-0.8B's shapes:
   plain          transformers' forward
   nnsight/final  hand-written nnsight reading all 18 final states (`.source` on the kernel call)
   split          deltalang: set_state_after(t) on all 18 blocks, by splitting the chunked kernel
-  read           deltalang: state_after(t) read on all 18 blocks (the forward's call unchanged, the
-                 prefix's kernel call beside it)
+  read           deltalang: state_after(t) read on all 18 blocks (the forward's call, its bits unchanged,
+                 run as far as the chunk boundary before t; the state after t by a side call from there)
+  zeros          deltalang: the state after t read, then written as zeros on all 18 blocks (what `write
+                 L[linear].state_after(t) = zeros` emits: set_state_after(t, torch.zeros_like(state_after(t))))
   token          the same through the token-by-token route (route_kernels(family, "torch"))
   states         deltalang: `states` (the state after every token) on all 18 blocks, each reduced
                  to its per-token norm inside the trace (`kernels.per_token`: chunked)
   states/loop    the same through the token-by-token loop (`kernels.per_token_loop`), the old way
 Targets at 512 tokens: split within 1.3x of plain, states within 1.5x. Beside each time, the peak
-resident memory above the process's resting size while the case ran (sampled every 2 ms).
+resident memory above the process's resting size while the case ran (sampled every 2 ms). `--layers N`: the
+first N blocks of that layout only (issue 38's shape: `--layers 6`, five DeltaNet blocks and an attention block).
 
 With `--model granite`: a random granitemoehybrid at the same scale (hidden 1024, 24 blocks, three Mamba-2 blocks
 per attention block: 18, 32 heads of 64, d_state 128, chunk 256; a dense MLP of 3584), and its own cases:
   plain          transformers' forward
   split          set_state_after(t) on all 18 Mamba-2 blocks (issue 26's target: <= 1.10x)
   read           state_after(t) read on all 18 (the forward's scan unchanged, the prefix's state beside it)
+  zeros          state_after(t) read, then written as zeros on all 18
   states         `states` reduced to each head's norm after every token on all 18 (`ssd.per_token_sq_norms`;
                  issue 26's target: <= 1.5x)
   states/head    `states.head(0).mean(positions)` on all 18 (`ssd.per_token_reduced`: every state made, a
                  group of chunks at a time, and dropped)
 
-    python benchmarks/values.py [--model qwen35|granite] [--repeat 3] [--lengths 64 512] [--cases plain states ...]
+    python benchmarks/values.py [--model qwen35|granite] [--layers 24] [--repeat 3] [--lengths 64 512]
+        [--cases plain states ...]
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ import deltalang  # noqa: E402
 from deltalang import kernels  # noqa: E402
 from deltalang.model import wrap_model  # noqa: E402
 
-CASES = ("plain", "nnsight/final", "split", "read", "token", "states", "states/loop")
-GRANITE_CASES = ("plain", "split", "read", "states", "states/head")
+CASES = ("plain", "nnsight/final", "split", "read", "zeros", "token", "states", "states/loop")
+GRANITE_CASES = ("plain", "split", "read", "zeros", "states", "states/head")
 STATE_AXES = ("b", "s", "heads", "key_dim", "value_dim")
 
 
@@ -98,6 +103,7 @@ def main() -> None:
     ap.add_argument("--model", choices=("qwen35", "granite"), default="qwen35")
     ap.add_argument("--cases", nargs="+", choices=sorted(set(CASES) | set(GRANITE_CASES)), default=None)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=24, help="the first N blocks of the 0.8B layout (qwen35)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     if args.model == "granite":
@@ -105,8 +111,8 @@ def main() -> None:
         return
     args.cases = args.cases or list(CASES)
 
-    hf = qwen35_08b_shaped()
-    plain_hf = qwen35_08b_shaped()  # a second copy: no deltalang hooks on it
+    hf = qwen35_08b_shaped(layers=args.layers)
+    plain_hf = qwen35_08b_shaped(layers=args.layers)  # a second copy: no deltalang hooks on it
     from nnsight import LanguageModel
 
     tok = tokenizer_for()
@@ -131,7 +137,7 @@ def main() -> None:
                     saved.append(getattr(nn_plain.model.layers[i].linear_attn.source, op).output[1].save())
             assert len(saved) == len(linear)
 
-        split, read = split_and_read(model, ids, linear, "linear_attn", t, donor)
+        split, read, zeros = split_and_read(model, ids, linear, "linear_attn", t, donor)
 
         def token() -> None:
             deltalang.route_kernels(model.family, "torch")
@@ -157,17 +163,20 @@ def main() -> None:
             finally:
                 kernels.per_token = chunked
 
-        every = {"plain": plain, "nnsight/final": nnsight_final, "split": split, "read": read, "token": token,
+        every = {"plain": plain, "nnsight/final": nnsight_final, "split": split, "read": read, "zeros": zeros,
+                 "token": token,
                  "states": states, "states/loop": states_loop}
         rows.append((n, *_timed({k: every[k] for k in args.cases if k in every}, plain, args)))
-    _table(rows, args, "random Qwen3.5-0.8B-shaped model, all 18 DeltaNet blocks: set_state_after(t = n/2) (split, "
-           "token), state_after(t) read (read), `states` reduced to per-token norms (states, states/loop)")
+    _table(rows, args, f"random Qwen3.5-0.8B-shaped model, {args.layers} blocks, all {len(linear)} DeltaNet blocks: "
+           "set_state_after(t = n/2) (split, token), state_after(t) read (read), read then written as zeros (zeros), "
+           "`states` reduced to per-token norms (states, states/loop)")
 
 
 def split_and_read(model: deltalang.DeltaModel, ids: torch.Tensor, layers: list[int], mixer: str, t: int,
-                   donor: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The `split` case (`set_state_after(t, donor)` on every block of `layers`) and the `read` case
-    (`state_after(t)` read on each), the mixer being each block's attribute `mixer`; both keep the logits."""
+                   donor: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """The `split` case (`set_state_after(t, donor)` on every block of `layers`), the `read` case
+    (`state_after(t)` read on each) and the `zeros` case (read, then written as zeros: what `= zeros` emits),
+    the mixer being each block's attribute `mixer`; all keep the logits."""
     def split() -> None:
         with model.trace(ids):
             for i in layers:
@@ -181,7 +190,14 @@ def split_and_read(model: deltalang.DeltaModel, ids: torch.Tensor, layers: list[
                 saved.append(getattr(model.layers[i], mixer).state_after(t).save())
             model.logits.save()
         assert len(saved) == len(layers)
-    return split, read
+
+    def zeros() -> None:
+        with model.trace(ids):
+            for i in layers:
+                m = getattr(model.layers[i], mixer)
+                m.set_state_after(t, torch.zeros_like(m.state_after(t)))
+            model.logits.save()
+    return split, read, zeros
 
 
 def _timed(cases: dict[str, Callable[[], None]], plain: Callable[[], None],
@@ -232,7 +248,7 @@ def granite(args: argparse.Namespace) -> None:
         def plain() -> None:
             plain_hf(ids)
 
-        split, read = split_and_read(model, ids, ssm, "mamba", t, donor)
+        split, read, zeros = split_and_read(model, ids, ssm, "mamba", t, donor)
 
         def reduced(red: Reduction, shape: tuple[int, ...]) -> Callable[[], None]:
             def run() -> None:
@@ -243,14 +259,14 @@ def granite(args: argparse.Namespace) -> None:
                 assert all(tuple(x.shape) == shape for x in got), [x.shape for x in got]
             return run
 
-        every = {"plain": plain, "split": split, "read": read,
+        every = {"plain": plain, "split": split, "read": read, "zeros": zeros,
                  "states": reduced(Reduction(STATE_AXES, [("norm", ("key_dim", "value_dim"))]), (1, n, d["heads"])),
                  "states/head": reduced(Reduction(STATE_AXES, [("head", 0), ("mean", ("s",))]),
                                         (1, d["key_dim"], d["value_dim"]))}
         rows.append((n, *_timed({k: every[k] for k in cases if k in every}, plain, args)))
     _table(rows, args, f"random granitemoehybrid at the 0.8B scale, all {len(ssm)} Mamba-2 blocks: set_state_after("
-           "t = n/2) (split), state_after(t) read (read), `states` reduced to each head's norm per token (states), "
-           "`states.head(0).mean(positions)` (states/head)")
+           "t = n/2) (split), state_after(t) read (read), read then written as zeros (zeros), `states` reduced to "
+           "each head's norm per token (states), `states.head(0).mean(positions)` (states/head)")
 
 
 if __name__ == "__main__":

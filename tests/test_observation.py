@@ -159,6 +159,38 @@ def test_a_read_then_write_of_the_same_state_still_changes_the_forward(loaded: t
     assert _rel(later, want.value(layer, "state_after", truth.ids(LONG).shape[1] - 2)) < 1e-4
 
 
+OTHER = "The Eiffel Tower is in Rome!, and the Brandenburg Gate is in Berlin, o"  # LONG's length, its own tokens
+
+
+@pytest.mark.parametrize("t", [3, 63, 66, -1])
+def test_a_read_then_written_invoke_splits_alone_and_the_other_runs_on_unchanged(loaded: tuple, t: int) -> None:
+    """A read then written (what `= zeros` and `*= 0.5` emit) splits its own rows at t: they run from where the
+    forward's call had got to (behind a torch kernel, the chunk boundary before t) to t and on from the written
+    state, as transformers runs them; the other invoke's forward goes on bitwise as in a trace without reads, and
+    its read at t is transformers' cache. Positions in the first chunk, at its end, past it, the last token."""
+    model, truth = loaded
+    layer = model.spec.linear_layers()[0]
+    n = truth.ids(LONG).shape[1]
+    assert truth.ids(OTHER).shape[1] == n
+    p, got = t % n, {}
+    with torch.no_grad(), model.trace() as tracer:
+        with tracer.invoke(LONG):
+            mixer = model.layers[layer].linear_attn
+            mixer.set_state_after(t, mixer.state_after(t) * 0.5)
+            if p < n - 2:
+                got["later"] = mixer.state_after(n - 2).save()
+            written = model.logits.save()
+        with tracer.invoke(OTHER):
+            read = model.layers[layer].linear_attn.state_after(t).save()
+            other = model.logits.save()
+    want = Reference(truth.hf).run(truth.ids(LONG), [Write(layer, "state_after", lambda x, i: x * 0.5, p)])
+    assert _rel(written, want.value(None, "logits")) < 1e-4
+    if p < n - 2:
+        assert _rel(got["later"], want.value(layer, "state_after", n - 2)) < 1e-4
+    assert torch.equal(other, _trace(model, [(LONG, ()), (OTHER, ())])[0][1])
+    assert _rel(read, truth.cache(OTHER, p).get_recurrent_state(layer)) < REL
+
+
 def _qwen3_next_16(root: Path) -> Path:
     """A Qwen3-Next checkpoint with 16-dim value heads (the issue's case)."""
     torch.manual_seed(0)

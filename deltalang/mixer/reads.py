@@ -1,11 +1,14 @@
-"""Reads of `state_after(t)` served beside the forward's unchanged kernel call: `read_only`, `serve_reads`.
+"""Reads of `state_after(t)` served beside the forward's kernel call: `read_only`, `Forward`, `serve_reads`.
 
-Invariant: a read never changes the forward. When no worker waits to write, the delta-rule call runs
-once over the whole prompt as without the trace, and the state after t comes from the same kernel over
-the prefix (what transformers' cache after t+1 tokens holds), independent of other reads; requests at one
-position share one side call. A worker that writes what it was served (`*= 0.5`) splits its own rows there.
-`read_only(call)`; `serve_reads(call, fn, out, final, initial, step, inputs, l2)` returns the head
-outputs, the final state and each row group's segments `(start, end, state at start)`.
+Invariant: a read never changes the forward. When no worker waits to write, the delta-rule call runs over
+the whole prompt with the bits it has without the trace, and the state after t comes from the same kernel
+over the prefix (what transformers' cache after t+1 tokens holds), independent of other reads; requests at one
+position share one side call. Behind a kernel that pads itself to whole chunks the forward's call runs lazily in
+pieces ending at chunk boundaries (each chunk's bits depend on its tokens and the state at its start alone), so a
+side call starts at the boundary before t. A worker that writes what it was served (`*= 0.5`) splits its own rows
+there: they run from that boundary to t and on from the written state, the others go on with the forward.
+`read_only(call)`; `serve_reads(call, forward, step)` returns the head outputs, the final state and each row
+group's segments `(start, end, state at start)`.
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ class _Rows:
             out.setdefault(self.pos[r], []).append(r)
         return out
 
+    def advance(self, rows: list[int], c: int, state: torch.Tensor) -> None:
+        """The forward's rows `rows` have run to the chunk boundary c: side calls start there (`state`: all rows)."""
+        for r in rows:
+            self.pos[r], self.state[r] = c, state[r]
+
     def write(self, rows: list[int], p: int, new: torch.Tensor) -> None:
         for i, r in enumerate(rows):
             self.pos[r], self.state[r] = p + 1, new[i]
@@ -94,36 +102,120 @@ class _Rows:
         return out
 
 
-def serve_reads(call: DeltaRuleCall, fn: Callable[..., Any], out: torch.Tensor, final: torch.Tensor,
-                initial: torch.Tensor | None, step: int, inputs: Inputs, l2: bool
+class Forward:
+    """The forward's own call over the rows that follow it (none written yet), run lazily as far as a read needs:
+    whole, or (`aligned`: behind a kernel that pads itself to whole chunks, where each chunk's bits depend only
+    on its tokens and the state at its start) in pieces ending at chunk boundaries, the same bits. `out` and the
+    written rows' final states are filled in as rows leave it; `state` is the state after `done` (all rows)."""
+
+    def __init__(self, fn: Callable[..., Any], inputs: Inputs, initial: torch.Tensor | None, l2: bool,
+                 aligned: bool) -> None:
+        self.fn, self.inputs, self.l2, self.aligned = fn, inputs, l2, aligned
+        self.b, self.s = inputs[0].shape[:2]
+        self.rows = list(range(self.b))  # the rows that follow the forward
+        self.initial, self.done, self.state = initial, 0, initial
+        self.out: torch.Tensor | None = None
+        self.finals: list[tuple[list[int], torch.Tensor]] = []  # the final states of rows that left
+
+    def reach(self, p: int) -> None:
+        """Run as far as a read of the state after p needs: the whole call, or (aligned) the chunk boundary at or
+        before p + 1, or the end if p is the last token."""
+        self.run_to(self.s if not self.aligned or p == self.s - 1 else (p + 1) // CHUNK * CHUNK)
+
+    def run_to(self, end: int) -> None:
+        if end <= self.done or not self.rows:
+            return
+        whole = len(self.rows) == self.b
+        start = None if self.state is None else self.state if whole else self.state[self.rows]
+        out, state = _run(self.fn, self.inputs, self.rows, self.done, end, start, self.l2)
+        self.put(self.rows, self.done, out)
+        if not whole:  # a new tensor: a served state may be a view of the old one
+            state = (self.state.clone() if self.state is not None else state.new_zeros((self.b, *state.shape[1:]))
+                     ).index_copy_(0, torch.tensor(self.rows, device=state.device), state)
+        self.done, self.state = end, state
+
+    def put(self, rows: list[int], a: int, out: torch.Tensor) -> None:
+        """Rows' head outputs for tokens [a, a + out's length)."""
+        if self.out is None and a == 0 and out.shape[1] == self.s and len(rows) == self.b:
+            self.out = out  # the forward's call in one piece: its own tensor
+            return
+        if self.out is None:
+            self.out = out.new_empty((self.b, self.s, *out.shape[2:]))
+        idx: Any = slice(None) if len(rows) == self.b else rows
+        self.out[idx, a:a + out.shape[1]] = out
+
+    def leave(self, rows: list[int], final: torch.Tensor) -> None:
+        """Rows written: the forward goes on without them; `final` is their state after the last token."""
+        self.rows = [r for r in self.rows if r not in rows]
+        self.finals.append((rows, final))
+
+    def final_of(self, rows: list[int]) -> torch.Tensor:
+        """The state after the last token of rows (the forward run to its end)."""
+        self.run_to(self.s)
+        return torch.stack([self._final(r) for r in rows])
+
+    def _final(self, r: int) -> torch.Tensor:
+        for rows, final in reversed(self.finals):
+            if r in rows:
+                return final[rows.index(r)]
+        assert self.state is not None
+        return self.state[r]
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head outputs and the final state of every row."""
+        self.run_to(self.s)
+        assert self.out is not None
+        if not self.finals:
+            assert self.state is not None
+            return self.out, self.state
+        like = self.finals[0][1]
+        final = like.new_zeros((self.b, *like.shape[1:])) if self.state is None else self.state.clone()
+        for rows, last in self.finals:
+            final[rows] = last.to(final.dtype)
+        return self.out, final
+
+
+def forward_for(call: DeltaRuleCall, fn: Callable[..., Any], inputs: Inputs, initial: torch.Tensor | None,
+                l2: bool) -> Forward:
+    """The forward's call of `fn`, in chunk-aligned pieces where `fn` pads itself and its side call is
+    `deltarule.final_state` (transformers' own chunked torch kernel of the gated delta rule), else whole."""
+    return Forward(fn, inputs, initial, l2, aligned=_pads_itself(call, fn) and _side_call(call, fn, l2)[1])
+
+
+def serve_reads(call: DeltaRuleCall, fwd: Forward, step: int
                 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], Segments]]]:
     """Serve every `state_after` request of this call from the prefix (see the module doc), in position order."""
+    inputs, l2 = fwd.inputs, fwd.l2
     query = inputs[0]
     b, s = query.shape[:2]
     invokes, every = _invokes(call, b), list(range(b))
-    book = _Rows(b, s, initial)
-    padded, (side, no_ops) = _pads_itself(call, fn), _side_call(call, fn, l2)  # decided once per call
+    book = _Rows(b, s, fwd.initial)
+    padded, (side, no_ops) = _pads_itself(call, fwd.fn), _side_call(call, fwd.fn, l2)  # decided once per call
     known: dict[tuple[int, int], torch.Tensor] = {}  # (position, row) -> the state after it
     pos = 0
     while pos < s:
         asked = {p: names for p, names in call.positions("state_after", step).items() if p >= pos}
         if not asked:
             break
-        wanted = {p: {r for n in names for r in _rows_of(n, invokes, every)} for p, names in asked.items()}
-        _prefetch(book, side, inputs, final, known, wanted, padded, no_ops)  # every request parked now, together
         p = min(asked)
+        fwd.reach(p)
+        if fwd.aligned and fwd.state is not None and 0 < fwd.done <= p + 1:
+            book.advance(fwd.rows, fwd.done, fwd.state)  # side calls start at the forward's last boundary
+        wanted = {p: {r for n in names for r in _rows_of(n, invokes, every)} for p, names in asked.items()}
+        _prefetch(book, side, inputs, fwd, known, wanted, padded, no_ops)  # every request parked now, together
         for name in call._names_at("state_after", step, p):
             rows = _rows_of(name, invokes, every)
-            _prefetch(book, side, inputs, final, known, {p: set(rows)}, padded, no_ops)  # a worker's next request
+            _prefetch(book, side, inputs, fwd, known, {p: set(rows)}, padded, no_ops)  # a worker's next request
             state = torch.stack([known[p, r] for r in rows])
             new = call.serve(name, state, step)
             if new is not state:  # a write: these rows' forward splits at p
                 new = call._checked_state(new, query[rows], "state_after")
-                out, final = _written(book, fn, inputs, out, final, rows, p, new, l2, call)
+                _written(book, fwd, rows, p, new, call)
                 for key in [k for k in known if k[1] in rows and k[0] > p]:
                     del known[key]  # computed from the state before the write
                 known.update(((p, r), new[i]) for i, r in enumerate(rows))
         pos = p + 1
+    out, final = fwd.finish()
     return out, final, book.row_segments()
 
 
@@ -138,11 +230,12 @@ def _pads_itself(call: DeltaRuleCall, fn: Callable[..., Any]) -> bool:
     return True
 
 
-def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, final: torch.Tensor,
+def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, fwd: Forward,
               known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], padded: bool,
               no_ops: bool) -> None:
-    """The states after the wanted positions not yet known, each row's from its base: the state after the
-    last token is the forward call's final state; the others come from side calls over each prefix, left-aligned
+    """The states after the wanted positions not yet known, each row's from its base (where it was written, or
+    the forward's last chunk boundary): the state after the last token is the forward call's final state once
+    it has run to its end; the others come from side calls over each prefix, left-aligned
     (zeros after a part leave its state as it was) and sharing a call where that costs no extra chunk
     (`padded`: the kernel pads to whole chunks itself, so the part's bits are those of its call alone), else
     where their lengths are equal; `no_ops`: the side call is `deltarule.final_state`, where a part's tokens after
@@ -150,8 +243,8 @@ def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, final: torch.Tensor,
     parts: list[tuple[list[int], int, int]] = []
     for p, rows in sorted(wanted.items()):
         todo = sorted(r for r in rows if (p, r) not in known)
-        if p == book.s - 1:
-            known.update(((p, r), final[r]) for r in todo)
+        if p == book.s - 1 and todo and fwd.done == book.s:
+            known.update(((p, r), x) for r, x in zip(todo, fwd.final_of(todo)))
             continue
         parts += [(group, a, p + 1) for a, group in book.by_base(todo).items()]
     calls: dict[int, list[tuple[list[int], int, int]]] = {}
@@ -235,18 +328,20 @@ def _rows_of(name: str, invokes: dict[int, list[int]] | None, every: list[int]) 
     return every
 
 
-def _written(book: _Rows, fn: Callable[..., Any], inputs: Inputs, out: torch.Tensor, final: torch.Tensor,
-             rows: list[int], p: int, new: torch.Tensor, l2: bool, call: DeltaRuleCall
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows whose state after p a worker replaced: token p reads it, the kernel runs on from p+1."""
-    query = inputs[0]
-    out, final = out.clone(), final.clone()  # never change a tensor a worker may hold
-    out[rows, p] = kernels.read_state(call.family, query[rows, p], new, out.shape[2], l2)
+def _written(book: _Rows, fwd: Forward, rows: list[int], p: int, new: torch.Tensor, call: DeltaRuleCall) -> None:
+    """Rows whose state after p a worker replaced: those still on the forward run from its last boundary to p,
+    token p reads the written state, the kernel runs on from p+1 from it."""
+    inputs, fn, l2 = fwd.inputs, fwd.fn, fwd.l2
+    following = [r for r in rows if r in fwd.rows]
+    if following and fwd.done <= p:  # the forward stopped at a chunk boundary before p
+        start = None if fwd.state is None else fwd.state[following]
+        fwd.put(following, fwd.done, _run(fn, inputs, following, fwd.done, p + 1, start, l2)[0])
+    read = kernels.read_state(call.family, inputs[0][rows, p], new, inputs[2].shape[2], l2)
+    fwd.put(rows, p, read[:, None].to(fwd.out.dtype if fwd.out is not None else read.dtype))
     if p + 1 < book.s:
         tail, last = _run(fn, inputs, rows, p + 1, book.s, new, l2)
-        out[rows, p + 1:] = tail
-        final[rows] = last
+        fwd.put(rows, p + 1, tail)
     else:
-        final[rows] = new.to(final.dtype)
+        last = new
+    fwd.leave(rows, last)
     book.write(rows, p, new)
-    return out, final

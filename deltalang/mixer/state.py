@@ -3,7 +3,8 @@
 The kernel's inputs are the queries, keys, values, decays and betas, its initial state `state_input`, its
 outputs the head outputs and `state_output`. A trace that only reads runs the call unchanged (the same
 logits bit for bit): `states` from the chunked rule (`deltarule`) beside it, `state_after(t)` from the
-kernel over the prefix (`reads`). Where a worker waits to write, the call is split lazily: run to the
+kernel over the prefix (`reads`: the forward's call run as far as each read needs, a read then written splitting
+its rows there). Where a worker waits to write, the call is split lazily: run to the
 first parked position, serve (and maybe replace) the state, look again, continue with `initial_state`.
 Every segment is one call of the kernel `kernels` chose for the device; a packed call is refused.
 """
@@ -16,7 +17,7 @@ import torch
 
 from .. import kernels
 from ..errors import DeltaValueError
-from .reads import read_only, serve_reads
+from .reads import forward_for, read_only, serve_reads
 from .reduced import serve_reduced
 from .requests import Requests
 from .rows import split_by_rows
@@ -80,11 +81,12 @@ class DeltaRuleCall(Requests):
 
         s = query.shape[1]
         serve_reduced(self, step, query, key, value, g, beta, initial, l2)  # reductions of `states`, beside it
-        if read_only(self):  # the unchanged call; the states asked for computed beside it
-            out, state = run(0, s, initial)
-            self._serve_states(step, (query, key, value, g, beta), initial, l2, state)
-            out, state, self.row_segments = serve_reads(self, fn, out, state, initial, step,
-                                                        (query, key, value, g, beta), l2)
+        if read_only(self):  # the unchanged call (run as far as each read needs); the states asked for beside it
+            forward = forward_for(self, fn, (query, key, value, g, beta), initial, l2)
+            if self.wants("states"):  # served before any write: the last is the whole call's final state
+                forward.run_to(s)
+                self._serve_states(step, (query, key, value, g, beta), initial, l2, forward.state)
+            out, state, self.row_segments = serve_reads(self, forward, step)
         else:
             self._serve_states(step, (query, key, value, g, beta), initial, l2, None)
             out, state = self._split_writes(fn, run, s, initial, step, (query, key, value, g, beta), l2)
