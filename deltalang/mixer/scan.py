@@ -28,6 +28,7 @@ from ..measures import Reduction
 from .reduced import _pending, _waiting
 from .requests import Requests
 from .rows import _invokes
+from .writes import serve_factors, ssd_factors, ssd_written
 
 if TYPE_CHECKING:
     from ..families import Family
@@ -88,6 +89,7 @@ class SSDCall(Requests):
         if new_A is not A:
             inputs[2] = self._checked(new_A, tuple(A.shape), "decay_rates", A)
         initial = self._state_input(initial, inputs[0], step)
+        fixed, made = serve_factors(self, step, lambda: ssd_factors(inputs, opts))  # a token's write (`writes`)
 
         def run(a: int, e: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             x, dt, A_, B, C = inputs
@@ -111,6 +113,9 @@ class SSDCall(Requests):
         if self.wants("states"):
             self.serve("states", ssd.per_token(*inputs, initial_states=initial, **opts)[1], step)
         y, final = run(0, s, initial)  # the forward's own call, unchanged
+        if fixed is not None:
+            assert made is not None
+            y, final = ssd_written(self, step, y, final, inputs, opts, made, fixed)
         y, final, writes, cum = self._scan_after(side, y, final, initial, step, inputs, opts)
         if self.wants("states_as_run"):
             self.serve("states_as_run", self._ssd_as_run(inputs, initial, opts, writes, cum), step)

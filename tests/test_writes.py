@@ -1,0 +1,226 @@
+"""A token's write as a value (`write_keys`, `write_values`), against transformers' own cache and kernel inputs.
+
+Truth: transformers' cache after tokens 0..t holds the state after t, so the update token t adds is
+S_t - a_t S_(t-1) (a_t = exp of the log decay the kernel receives: per head, or per key channel on KDA; on
+Mamba-2 exp(A dt_t), dt_t = softplus(dt + dt_bias) clamped, from the scan's own arguments). The two factors
+read must multiply (outer product, the state's axis order) to that update; the keys must be those the
+delta-rule kernel receives, l2-normed where it normalises them, and the values beta_t (v_t - (a_t
+S_(t-1))^T k_t) from its values and betas and the cache's S_(t-1); on Mamba-2 the values must be the B the scan
+receives. A read leaves the logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import cache_after, hf_forward, kernel_patched
+
+import deltalang
+from deltalang import internals, kernels, testing_ssd
+from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+
+PROMPT = "The Eiffel Tower is in"  # 22 byte tokens: crosses the chunked rule's chunk of 16
+SHORT = "Big cats"
+POSITIONS = (0, 7, 15, 16, 21)
+
+
+@functools.lru_cache(maxsize=None)
+def _delta(family: str) -> tuple[Any, Any]:
+    path = tiny_checkpoint(family)
+    return deltalang.load_model(path), load_hf(path).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _ssd(name: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM
+
+    path = testing_ssd.tiny_ssd_checkpoint(name)
+    return deltalang.load_model(path), AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> None:
+    scale = max(1.0, float(want.abs().max()))
+    err = float((got.float() - want.float()).abs().max())
+    assert err <= tol * scale, f"max |diff| {err:.3g} > {tol:g} * {scale:.3g}"
+
+
+def _kernel_inputs(model: Any, hf: Any, ids: torch.Tensor) -> list[dict[str, Any]]:
+    """What transformers' own forward hands its delta-rule chunk kernel, one call per DeltaNet block in order."""
+    fam = model.family
+    real = kernels.original(fam, fam.chunk_kernel)
+    saved = getattr(fam.module, fam.chunk_kernel)
+    seen: list[dict[str, Any]] = []
+
+    def spy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> Any:
+        seen.append({"key": key.clone(), "value": value.clone(), **{k: kw[k] for k in ("g", "beta")},
+                     "l2": bool(kw.get("use_qk_l2norm_in_kernel", False))})
+        return real(query, key, value, **kw)
+
+    setattr(fam.module, fam.chunk_kernel, spy)
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        setattr(fam.module, fam.chunk_kernel, saved)
+    return seen
+
+
+def _state(hf: Any, ids: torch.Tensor, layer: int, t: int) -> torch.Tensor:
+    """transformers' recurrent state of `layer` after tokens 0..t (zeros before the first)."""
+    with torch.no_grad():
+        cache = hf(ids[:, :t + 1], use_cache=True).past_key_values if t >= 0 else None
+    if cache is None:
+        return torch.zeros_like(_state(hf, ids, layer, 0))
+    return cache.get_recurrent_state(layer).float()
+
+
+def _decayed(S: torch.Tensor, g_t: torch.Tensor) -> torch.Tensor:
+    """a_t S: `g_t` `[b, h]` per head, `[b, h, dk]` per key channel (KDA)."""
+    a = g_t.float().exp()
+    return S * (a[..., None] if a.dim() == 3 else a[..., None, None])
+
+
+def _delta_truth(model: Any, hf: Any, ids: torch.Tensor, layer: int, seen: dict[str, Any], t: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys `[b, h, dk]`, values `[b, h, dv]`, the update `[b, h, dk, dv]`) of token t from transformers."""
+    heads = model.spec.dims["heads"]
+    k = seen["key"][:, t].float()
+    k = k.repeat_interleave(heads // k.shape[-2], dim=-2)
+    if seen["l2"]:
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    g = seen["g"][:, t]
+    before = _decayed(_state(hf, ids, layer, t - 1), g)
+    after = _state(hf, ids, layer, t)
+    v = seen["value"][:, t].float()
+    u = seen["beta"][:, t].float()[..., None] * (v - torch.einsum("bhkv,bhk->bhv", before, k))
+    return k, u, after - before
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_write_factors_are_the_update_the_cache_takes(family: str) -> None:
+    """On every delta-rule block, after every token checked: write_keys ⊗ write_values = S_t - a_t S_(t-1)."""
+    model, hf = _delta(family)
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    layers = model.spec.linear_layers()
+    got: dict[int, tuple[Any, Any]] = {}
+    with torch.no_grad():
+        with model.trace(PROMPT):
+            for i in layers:
+                mix = model.layers[i].linear_attn
+                got[i] = (mix.write_keys.save(), mix.write_values.save())
+            read = model.logits.save()
+        with model.trace(PROMPT):
+            plain = model.logits.save()
+    assert torch.equal(read, plain)  # a read never changes the forward
+    seen = _kernel_inputs(model, hf, ids)
+    d = model.spec.dims
+    for n, i in enumerate(layers):
+        keys, writes = got[i]
+        assert keys.shape == (1, ids.shape[1], d["heads"], d["key_dim"])
+        assert writes.shape == (1, ids.shape[1], d["heads"], d["value_dim"])
+        for t in POSITIONS:
+            k, u, update = _delta_truth(model, hf, ids, i, seen[n], t)
+            _close(keys[:, t], k)
+            _close(writes[:, t], u)
+            _close(keys[:, t, :, :, None] * writes[:, t, :, None, :], update)
+            assert float(update.abs().max()) > 1e-3  # a token that writes something
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_write_factors_in_a_shared_forward_are_each_runs_own(family: str) -> None:
+    """Two runs of different lengths share a left-padded forward; each one's factors and reductions are its
+    prompt's alone (from transformers on that prompt)."""
+    model, hf = _delta(family)
+    i = model.spec.linear_layers()[-1]
+    program = (f'prompt long = "{PROMPT}"\nprompt short = "{SHORT}"\n'
+               f"trace a on long {{\n    read L{i}.write_values, L{i}.write_keys.norm(key_dim)\n}}\n"
+               f"trace b on short {{\n    read L{i}.write_values, L{i}.write_values.head(1).mean(positions)\n}}\n")
+    res = deltalang.run(program, model=model)
+    for run, text in (("a", PROMPT), ("b", SHORT)):
+        ids = model.tokenizer(text, return_tensors="pt").input_ids
+        seen = _kernel_inputs(model, hf, ids)[model.spec.linear_layers().index(i)]
+        writes = res[f"{run}.L{i}.write_values"]
+        assert writes.shape[1] == ids.shape[1]
+        truth = torch.stack([_delta_truth(model, hf, ids, i, seen, t)[1] for t in range(ids.shape[1])], dim=1)
+        _close(writes, truth)
+        if run == "a":
+            keys = torch.stack([_delta_truth(model, hf, ids, i, seen, t)[0] for t in range(ids.shape[1])], dim=1)
+            _close(res[f"a.L{i}.write_keys.norm(key_dim)"], keys.norm(dim=-1))
+        else:
+            _close(res[f"b.L{i}.write_values.head(1).mean(positions)"], truth[:, :, 1].mean(dim=1))
+
+
+def _scan_args(name: str, hf: Any, ids: torch.Tensor) -> dict[int, tuple[tuple, dict]]:
+    """The arguments transformers' own forward hands the Mamba-2 prompt scan, per cache layer."""
+    seen: dict[int, tuple[tuple, dict]] = {}
+
+    def wrap(layer: int, original: Any, args: tuple, kwargs: dict) -> Any:
+        seen[layer] = (args, kwargs)
+        return original(*args, **kwargs)
+
+    with kernel_patched(name, hf, internals.SCAN_GLOBAL, wrap):
+        hf_forward(hf, ids)
+    return seen
+
+
+@pytest.mark.parametrize("name", testing_ssd.MAMBA2_FAMILY_NAMES)
+def test_mamba2_write_factors_are_the_update_the_cache_takes(name: str) -> None:
+    """On every Mamba-2 block: write_values is the scan's B (of each head's group), write_keys ⊗ write_values =
+    h_t - exp(A dt_t) h_(t-1), the state's `[head_dim, d_state]` order."""
+    model, hf = _ssd(name)
+    ids = torch.randint(3, 259, (1, 13), generator=torch.Generator().manual_seed(0))
+    layers = model.spec.ssm_layers()
+    got: dict[int, tuple[Any, Any]] = {}
+    with torch.no_grad():
+        with model.trace(ids):
+            for i in layers:
+                mix = model.layers[i].linear_attn
+                got[i] = (mix.write_keys.save(), mix.write_values.save())
+            read = model.logits.save()
+        with model.trace(ids):
+            plain = model.logits.save()
+    assert torch.equal(read, plain)
+    seen = _scan_args(name, hf, ids)
+    d = model.spec.dims
+    for i in layers:
+        keys, writes = got[i]
+        assert keys.shape == (1, 13, d["heads"], d["head_dim"]) and writes.shape == (1, 13, d["heads"], d["d_state"])
+        args, kw = seen[i]
+        names = ("hidden_states", "dt", "A", "B", "C")
+        call = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in (dict(zip(names, args)) | kw).items()}
+        B = call["B"].float().repeat_interleave(d["heads"] // call["B"].shape[2], dim=2)
+        _close(writes, B)
+        dt = call["dt"] + call["dt_bias"] if call.get("dt_bias") is not None else call["dt"]
+        dt = F.softplus(dt) if call.get("dt_softplus") else dt
+        lo, hi = call.get("dt_limit", (0.0, float("inf")))
+        dt = dt.clamp(lo, hi).float()
+        for t in (0, 5, 8, 12):
+            after = cache_after(hf, ids, t).get_recurrent_state(i).float()
+            before = cache_after(hf, ids, t - 1).get_recurrent_state(i).float() if t else torch.zeros_like(after)
+            update = after - before * (call["A"].float() * dt[:, t]).exp()[..., None, None]
+            _close(keys[:, t, :, :, None] * writes[:, t, :, None, :], update, tol=2e-5)
+            assert float(update.abs().max()) > 1e-4
+
+
+def test_write_values_are_collected_over_a_dataset(tmp_path: Path) -> None:
+    """`read L[linear].write_values as w` over a dataset: each record's `[s, heads, value_dim]`, its own prompt's."""
+    model, hf = _delta("qwen3_5")
+    texts = [PROMPT, SHORT, "Tea time is at four"]
+    data = tmp_path / "facts.jsonl"
+    data.write_text("".join(f'{{"prompt": "{t}"}}\n' for t in texts))
+    program = f'dataset facts = "{data}"\ntrace t on facts {{\n    read L[linear].write_values as w\n}}\n'
+    deltalang.run(program, model=model, out=tmp_path / "out")
+    col = deltalang.load_results(tmp_path / "out")
+    layers = model.spec.linear_layers()
+    for n, text in enumerate(texts):
+        record, tensors = col[n]
+        ids = model.tokenizer(text, return_tensors="pt").input_ids
+        seen = _kernel_inputs(model, hf, ids)
+        for j, i in enumerate(layers):
+            truth = torch.stack([_delta_truth(model, hf, ids, i, seen[j], t)[1] for t in range(ids.shape[1])])
+            _close(tensors[f"w.L{i}"], truth[:, 0])
