@@ -224,3 +224,128 @@ def test_write_values_are_collected_over_a_dataset(tmp_path: Path) -> None:
         for j, i in enumerate(layers):
             truth = torch.stack([_delta_truth(model, hf, ids, i, seen[j], t)[1] for t in range(ids.shape[1])])
             _close(tensors[f"w.L{i}"], truth[:, 0])
+
+
+# ---- writes: what a written token adds, and the tokens after it continuing from the state it left --------------
+
+
+def _donor(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("factor", ["write_values", "write_keys"])
+def test_a_written_write_is_what_the_token_adds_and_the_rest_continue(family: str, factor: str) -> None:
+    """Token t's factor replaced: the state after t is a_t S_(t-1) + k'_t ⊗ u'_t from transformers' cache after
+    t-1 (the other factor as read), token t reads it and the later tokens run the rule on from it, through
+    transformers (`reference.Reference`: its kernels token by token, that state written after t)."""
+    from reference import Reference, Write, set_to
+
+    model, hf = _delta(family)
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    layers = model.spec.linear_layers()
+    layer, t = layers[len(layers) // 2], 17
+    d = model.spec.dims
+    dim = d["value_dim"] if factor == "write_values" else d["key_dim"]
+    new_t = _donor((1, d["heads"], dim), seed=3)
+    with torch.no_grad():
+        with model.trace(PROMPT):
+            mix = model.layers[layer].linear_attn
+            old = getattr(mix, factor)
+            new = old.clone()
+            new[:, t] = new_t
+            setattr(mix, factor, new)
+            final = mix.state_output.save()
+            logits = model.logits.save()
+        with model.trace(PROMPT):
+            clean = model.logits.save()
+    seen = _kernel_inputs(model, hf, ids)[layers.index(layer)]
+    k, u, _ = _delta_truth(model, hf, ids, layer, seen, t)
+    k, u = (new_t, u) if factor == "write_keys" else (k, new_t)
+    state = _decayed(_state(hf, ids, layer, t - 1), seen["g"][:, t]) + k[..., :, None] * u[..., None, :]
+    record = Reference(hf).run(ids, [Write(layer, "state_after", set_to(state), position=t)])
+    _close(final, record.value(layer, "state_output"), tol=1e-4)
+    want = record.value(None, "logits")
+    _close(logits, want, tol=1e-4)
+    assert float((logits[:, t + 1:] - clean[:, t + 1:]).abs().max()) > 1e-2  # the write moved what follows
+    assert torch.equal(logits[:, :t], clean[:, :t]) or float((logits[:, :t] - clean[:, :t]).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear", "olmo_hybrid"])
+def test_one_heads_writes_silenced_in_the_language_are_betas_of_zero(family: str) -> None:
+    """`write L.write_values.head(1) *= 0`: every token of head 1 adds nothing, as a zero beta makes transformers'
+    kernel add nothing; the other heads run as they were."""
+    from reference import Reference, Write
+
+    model, hf = _delta(family)
+    layer = model.spec.linear_layers()[0]
+    # the written run is the shorter one of a shared forward: left-padded, its padding never written
+    program = (f'prompt p = "{SHORT}"\nprompt long = "{PROMPT}"\ntrace t on p {{\n'
+               f"    write L{layer}.write_values.head(1) *= 0\n    read L{layer}.state_output, logits\n}}\n"
+               f"trace c on long {{\n    read L{layer}.state_output, logits\n}}\n")
+    res = deltalang.run(program, model=model)
+
+    def zero_head(x: torch.Tensor, i: int) -> torch.Tensor:
+        x = x.clone()
+        x[:, :, 1] = 0
+        return x
+
+    ids = model.tokenizer(SHORT, return_tensors="pt").input_ids
+    record = Reference(hf).run(ids, [Write(layer, "betas", zero_head)])
+    want = record.value(layer, "state_output")
+    assert float(want[:, 1].abs().max()) == 0.0
+    _close(res[f"t.L{layer}.state_output"], want, tol=1e-4)
+    _close(res["t.logits"], record.value(None, "logits"), tol=1e-4)
+    clean = Reference(hf).run(model.tokenizer(PROMPT, return_tensors="pt").input_ids)  # the other run: as it was
+    _close(res[f"c.L{layer}.state_output"], clean.value(layer, "state_output"), tol=1e-4)
+    _close(res["c.logits"], clean.value(None, "logits"), tol=1e-4)
+
+
+def _ssd_written(name: str, hf: Any, ids: torch.Tensor, layer: int, state: torch.Tensor, t: int) -> tuple[Any, Any]:
+    """transformers with token t's state update of `layer` ending in `state` (token t reads it), the rest of the
+    prompt continued from that cache: (the logits of tokens t.., the final state)."""
+    from reference import step_replaced
+
+    cache = internals.output_cache(hf_forward(hf, ids[:, :t]))
+    with step_replaced(name, hf, {layer: state}):
+        out = hf_forward(hf, ids[:, t:t + 1], cache, start=t)
+    rest = hf_forward(hf, ids[:, t + 1:], internals.output_cache(out), start=t + 1)
+    return torch.cat([out.logits, rest.logits], dim=1), internals.output_cache(rest).get_recurrent_state(layer)
+
+
+@pytest.mark.parametrize("name", testing_ssd.MAMBA2_FAMILY_NAMES)
+@pytest.mark.parametrize("factor", ["write_values", "write_keys"])
+def test_a_written_mamba2_write_is_what_the_token_adds(name: str, factor: str) -> None:
+    """Token t's factor replaced on a Mamba-2 block: the state after t is exp(A dt_t) h_(t-1) + k' ⊗ v' from the
+    cache after t-1, token t reads it (y = h C + D x), the later tokens continue through transformers."""
+    model, hf = _ssd(name)
+    ids = torch.randint(3, 259, (1, 13), generator=torch.Generator().manual_seed(0))
+    layer, t = model.spec.ssm_layers()[0], 6
+    d = model.spec.dims
+    new_t = _donor((1, d["heads"], d["d_state"] if factor == "write_values" else d["head_dim"]), seed=5)
+    with torch.no_grad():
+        with model.trace(ids):
+            mix = model.layers[layer].linear_attn
+            old = getattr(mix, factor)
+            new = old.clone()
+            new[:, t] = new_t
+            setattr(mix, factor, new)
+            final = mix.state_output.save()
+            logits = model.logits.save()
+    seen = _scan_args(name, hf, ids)[layer]
+    call = {k: v.detach() if isinstance(v, torch.Tensor) else v
+            for k, v in (dict(zip(("hidden_states", "dt", "A", "B", "C"), seen[0])) | seen[1]).items()}
+    B = call["B"].float().repeat_interleave(d["heads"] // call["B"].shape[2], dim=2)[:, t]
+    step = call["dt"] + call["dt_bias"] if call.get("dt_bias") is not None else call["dt"]
+    step = (F.softplus(step) if call.get("dt_softplus") else step).clamp(*call.get("dt_limit", (0.0, float("inf"))))
+    x_dt = call["hidden_states"].float()[:, t] * step.float()[:, t, :, None]
+    k, v = (new_t, B) if factor == "write_keys" else (x_dt, new_t)
+    before = cache_after(hf, ids, t - 1).get_recurrent_state(layer).float()
+    state = before * (call["A"].float() * step.float()[:, t]).exp()[..., None, None] + k[..., :, None] * v[..., None, :]
+    want_logits, want_final = _ssd_written(name, hf, ids, layer, state, t)
+    _close(logits[:, t:], want_logits, tol=1e-3)
+    _close(final, want_final, tol=2e-4)
+    with torch.no_grad():
+        clean = hf_forward(hf, ids).logits
+    assert float((final - cache_after(hf, ids, 12).get_recurrent_state(layer).float()).abs().max()) > 1e-3
+    _close(logits[:, :t], clean[:, :t], tol=1e-4)
