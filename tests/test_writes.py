@@ -349,3 +349,118 @@ def test_a_written_mamba2_write_is_what_the_token_adds(name: str, factor: str) -
         clean = hf_forward(hf, ids).logits
     assert float((final - cache_after(hf, ids, 12).get_recurrent_state(layer).float()).abs().max()) > 1e-3
     _close(logits[:, :t], clean[:, :t], tol=1e-4)
+
+
+@pytest.mark.parametrize("name", testing_ssd.MAMBA2_FAMILY_NAMES)
+def test_a_mamba2_decode_steps_write_is_read_and_written(name: str) -> None:
+    """Under generate, step 1 (one token, transformers' one-token state update): its factors' outer product is
+    the cache's h - exp(A dt) h_before; a written write_values there is the state the cache then holds, read by
+    the token (`reference.step_replaced`), and the next step continues from it."""
+    from reference import step_replaced
+
+    model, hf = _ssd(name)
+    ids = torch.randint(3, 259, (1, 9), generator=torch.Generator().manual_seed(1))
+    layer = model.spec.ssm_layers()[-1]
+    d = model.spec.dims
+    new_v = _donor((1, d["heads"], d["d_state"]), seed=9)
+    got: dict[str, Any] = {}
+    with torch.no_grad():
+        with model.generate(ids, max_new_tokens=3, do_sample=False) as tracer:
+            for step in tracer.iter[:3]:
+                mix = model.layers[layer].linear_attn
+                if step == 1:
+                    got["keys"] = mix.write_keys.save()
+                    old = mix.write_values
+                    got["values"] = old.clone().save()
+                    new = old.clone()
+                    new[:, 0] = new_v
+                    mix.write_values = new
+                    got["after"] = mix.state_output.save()
+                if step == 2:
+                    got["logits"] = model.logits[:, -1].save()
+            tokens = tracer.result.save()
+    first = tokens[:, ids.shape[1]:ids.shape[1] + 1]
+    cache = internals.output_cache(hf_forward(hf, ids))
+    before = cache.get_recurrent_state(layer).float().clone()
+    seen: dict[str, Any] = {}
+
+    def spy(layer_: int, original: Any, args: tuple, kw: dict) -> Any:
+        if layer_ == layer:
+            seen.update(dict(zip(("state", "x", "dt", "A", "B", "C", "D"), args)) | kw)
+            seen["state"] = seen["state"].clone()
+        return original(*args, **kw)
+
+    import copy
+    clean_cache = copy.deepcopy(cache)
+    with kernel_patched(name, hf, internals.STEP_GLOBAL, spy):
+        hf_forward(hf, first, clean_cache, start=ids.shape[1])
+    after = clean_cache.get_recurrent_state(layer).float()
+    dt = seen["dt"] + seen["dt_bias"] if seen.get("dt_bias") is not None else seen["dt"]
+    dt = (F.softplus(dt) if seen.get("dt_softplus") else dt).float().detach()
+    decay = (dt[..., None] * seen["A"].float().detach()).exp()  # dt [b, h, P], A [h, P, N]: as the step makes it
+    update = after - before * decay
+    _close(got["keys"][:, 0, :, :, None] * got["values"][:, 0, :, None, :], update, tol=2e-5)
+    written = before * decay + got["keys"][:, 0, :, :, None] * new_v[:, :, None, :]
+    with step_replaced(name, hf, {layer: written}):
+        out = hf_forward(hf, first, cache, start=ids.shape[1])
+    _close(got["after"], cache.get_recurrent_state(layer), tol=2e-4)
+    assert float((written - after).abs().max()) > 1e-2 * max(1.0, float(after.abs().max()))  # the write shows
+    second = tokens[:, ids.shape[1] + 1:ids.shape[1] + 2]
+    assert torch.equal(second, out.logits[:, -1:].argmax(-1))
+    nxt = hf_forward(hf, second, internals.output_cache(out), start=ids.shape[1] + 1)
+    _close(got["logits"], nxt.logits[:, -1], tol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear", "olmo_hybrid"])
+def test_a_delta_rule_decode_steps_write_is_the_state_the_next_step_starts_from(family: str) -> None:
+    """Under generate, step 1 (transformers' recurrent kernel, one token): its factors multiply to the cache's
+    S - a S_before, and a written write_values makes the state after it a S_before + k ⊗ u', which the next step
+    starts from."""
+    model, hf = _delta(family)
+    ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
+    layer = model.spec.linear_layers()[-1]
+    d = model.spec.dims
+    new_u = _donor((1, d["heads"], d["value_dim"]), seed=11)
+    got: dict[str, Any] = {}
+    with torch.no_grad():
+        with model.generate(PROMPT, max_new_tokens=3, do_sample=False) as tracer:
+            for step in tracer.iter[:3]:
+                mix = model.layers[layer].linear_attn
+                if step == 1:
+                    got["keys"] = mix.write_keys.save()
+                    old = mix.write_values
+                    got["values"] = old.clone().save()
+                    new = old.clone()
+                    new[:, 0] = new_u
+                    mix.write_values = new
+                    got["after"] = mix.state_output.save()
+                if step == 2:
+                    got["next"] = mix.state_input.save()
+            tokens = tracer.result.save()
+    n = ids.shape[1]
+    with torch.no_grad():
+        cache = hf(ids, use_cache=True).past_key_values
+        before = cache.get_recurrent_state(layer).float().clone()
+    fam = model.family
+    seen: list[dict[str, Any]] = []
+    real = kernels.original(fam, fam.recurrent_kernel)
+    saved = getattr(fam.module, fam.recurrent_kernel)
+
+    def spy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> Any:
+        seen.append(kw)
+        return real(query, key, value, **kw)
+
+    setattr(fam.module, fam.recurrent_kernel, spy)
+    try:
+        with torch.no_grad():
+            hf(tokens[:, n:n + 1], **internals.cache_kwargs(cache, hf), use_cache=True)
+    finally:
+        setattr(fam.module, fam.recurrent_kernel, saved)
+    g = seen[model.spec.linear_layers().index(layer)]["g"][:, 0]
+    decayed = _decayed(before, g)
+    _close(got["keys"][:, 0, :, :, None] * got["values"][:, 0, :, None, :],
+           cache.get_recurrent_state(layer).float() - decayed)
+    written = decayed + got["keys"][:, 0, :, :, None] * new_u[:, :, None, :]
+    _close(got["after"], written)
+    assert torch.equal(got["next"], got["after"])
+    assert float((written - cache.get_recurrent_state(layer).float()).abs().max()) > 1e-2

@@ -11,7 +11,7 @@ factors it changed adds the outer product of its factors as written; every other
 state it sees, so the tokens after a written one continue from the state it left (`run_written`: the chunked
 rule with the written tokens' rows of its system fixed; on Mamba-2 the change of each written update carried to
 the later outputs and the final state, the scan being linear: `ssd_written`). A row's left padding is never
-written. Both are served on a prompt call (a Mamba-2 decode step serves neither).
+written. A decode step serves and writes them too (on Mamba-2: `step_factors`, `step_change`).
 """
 
 from __future__ import annotations
@@ -136,3 +136,17 @@ def ssd_written(call: Any, step: int, y: torch.Tensor, final: torch.Tensor, inpu
         else:
             final = (final.float() + change).to(final.dtype)
     return y, final
+
+
+def step_factors(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, kw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Mamba-2 decode step's factors, `[b, 1, h, P]` and `[b, 1, h, N]`: its x `[b, h, P]` times its step size
+    (dt `[b, h, P]`, the head's repeated; bias and softplus as the step applies them), B `[b, g, N]` per head."""
+    step = ssd.step_sizes(dt, kw.get("dt_bias"), bool(kw.get("dt_softplus")), (0.0, float("inf")))
+    return (x.float() * step)[:, None], ssd._heads(B, x.shape[1])[:, None]
+
+
+def step_change(served: tuple[torch.Tensor, torch.Tensor], fixed: Fixed) -> torch.Tensor:
+    """What a decode step's written factors change its state by, `[b, h, P, N]` float32."""
+    (k, v), (k_new, v_new, mask) = served, fixed
+    change = k_new[:, 0, :, :, None] * v_new[:, 0, :, None, :] - k[:, 0, :, :, None] * v[:, 0, :, None, :]
+    return change * mask[:, 0, :, None, None]
