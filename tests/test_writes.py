@@ -11,6 +11,7 @@ receives. A read leaves the logits bit for bit.
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import cache_after, hf_forward, kernel_patched
+from reference import cache_after, delta_calls, hf_forward, kernel_calls
 
 import deltalang
-from deltalang import internals, kernels, testing_ssd
+from deltalang import internals, testing_ssd
 from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"  # 22 byte tokens: crosses the chunked rule's chunk of 16
@@ -51,23 +52,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> None:
 
 def _kernel_inputs(model: Any, hf: Any, ids: torch.Tensor) -> list[dict[str, Any]]:
     """What transformers' own forward hands its delta-rule chunk kernel, one call per DeltaNet block in order."""
-    fam = model.family
-    real = kernels.original(fam, fam.chunk_kernel)
-    saved = getattr(fam.module, fam.chunk_kernel)
-    seen: list[dict[str, Any]] = []
-
-    def spy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> Any:
-        seen.append({"key": key.clone(), "value": value.clone(), **{k: kw[k] for k in ("g", "beta")},
-                     "l2": bool(kw.get("use_qk_l2norm_in_kernel", False))})
-        return real(query, key, value, **kw)
-
-    setattr(fam.module, fam.chunk_kernel, spy)
-    try:
-        with torch.no_grad():
-            hf(ids)
-    finally:
-        setattr(fam.module, fam.chunk_kernel, saved)
-    return seen
+    return [{"key": a[1], "value": a[2], "g": kw["g"], "beta": kw["beta"],
+             "l2": bool(kw.get("use_qk_l2norm_in_kernel", False))} for a, kw in delta_calls(model.family, hf, ids)]
 
 
 def _state(hf: Any, ids: torch.Tensor, layer: int, t: int) -> torch.Tensor:
@@ -155,17 +141,21 @@ def test_write_factors_in_a_shared_forward_are_each_runs_own(family: str) -> Non
             _close(res[f"b.L{i}.write_values.head(1).mean(positions)"], truth[:, :, 1].mean(dim=1))
 
 
-def _scan_args(name: str, hf: Any, ids: torch.Tensor) -> dict[int, tuple[tuple, dict]]:
-    """The arguments transformers' own forward hands the Mamba-2 prompt scan, per cache layer."""
-    seen: dict[int, tuple[tuple, dict]] = {}
+_SCAN = ("hidden_states", "dt", "A", "B", "C")
+_STEP = ("state", "hidden_states", "dt", "A", "B", "C", "D")
 
-    def wrap(layer: int, original: Any, args: tuple, kwargs: dict) -> Any:
-        seen[layer] = (args, kwargs)
-        return original(*args, **kwargs)
 
-    with kernel_patched(name, hf, internals.SCAN_GLOBAL, wrap):
-        hf_forward(hf, ids)
-    return seen
+def _named(call: tuple[tuple, dict], names: tuple[str, ...]) -> dict[str, Any]:
+    """A recorded kernel call's arguments by name (`reference.kernel_calls`), tensors detached."""
+    args, kw = call
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in (dict(zip(names, args)) | kw).items()}
+
+
+def _step_sizes(call: dict[str, Any]) -> torch.Tensor:
+    """dt as transformers' scan or step makes it from its arguments: dt_bias, softplus, the clamp, float32."""
+    dt = call["dt"] + call["dt_bias"] if call.get("dt_bias") is not None else call["dt"]
+    dt = F.softplus(dt) if call.get("dt_softplus") else dt
+    return dt.clamp(*call.get("dt_limit", (0.0, float("inf")))).float()
 
 
 @pytest.mark.parametrize("name", testing_ssd.MAMBA2_FAMILY_NAMES)
@@ -185,20 +175,15 @@ def test_mamba2_write_factors_are_the_update_the_cache_takes(name: str) -> None:
         with model.trace(ids):
             plain = model.logits.save()
     assert torch.equal(read, plain)
-    seen = _scan_args(name, hf, ids)
+    seen = kernel_calls(name, hf, ids)
     d = model.spec.dims
     for i in layers:
         keys, writes = got[i]
         assert keys.shape == (1, 13, d["heads"], d["head_dim"]) and writes.shape == (1, 13, d["heads"], d["d_state"])
-        args, kw = seen[i]
-        names = ("hidden_states", "dt", "A", "B", "C")
-        call = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in (dict(zip(names, args)) | kw).items()}
+        call = _named(seen[i], _SCAN)
         B = call["B"].float().repeat_interleave(d["heads"] // call["B"].shape[2], dim=2)
         _close(writes, B)
-        dt = call["dt"] + call["dt_bias"] if call.get("dt_bias") is not None else call["dt"]
-        dt = F.softplus(dt) if call.get("dt_softplus") else dt
-        lo, hi = call.get("dt_limit", (0.0, float("inf")))
-        dt = dt.clamp(lo, hi).float()
+        dt = _step_sizes(call)
         for t in (0, 5, 8, 12):
             after = cache_after(hf, ids, t).get_recurrent_state(i).float()
             before = cache_after(hf, ids, t - 1).get_recurrent_state(i).float() if t else torch.zeros_like(after)
@@ -236,9 +221,10 @@ def _donor(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("factor", ["write_values", "write_keys"])
 def test_a_written_write_is_what_the_token_adds_and_the_rest_continue(family: str, factor: str) -> None:
-    """Token t's factor replaced: the state after t is a_t S_(t-1) + k'_t ⊗ u'_t from transformers' cache after
-    t-1 (the other factor as read), token t reads it and the later tokens run the rule on from it, through
-    transformers (`reference.Reference`: its kernels token by token, that state written after t)."""
+    """Token t's factor replaced (write_keys in place, write_values assigned): the state after t is a_t S_(t-1) +
+    k'_t ⊗ u'_t from transformers' cache after t-1 (the other factor as read), token t reads it and the later
+    tokens run the rule on from it, through transformers (`reference.Reference`: its kernels token by token,
+    that state written after t)."""
     from reference import Reference, Write, set_to
 
     model, hf = _delta(family)
@@ -251,10 +237,12 @@ def test_a_written_write_is_what_the_token_adds_and_the_rest_continue(family: st
     with torch.no_grad():
         with model.trace(PROMPT):
             mix = model.layers[layer].linear_attn
-            old = getattr(mix, factor)
-            new = old.clone()
-            new[:, t] = new_t
-            setattr(mix, factor, new)
+            if factor == "write_keys":  # in place: what a worker changes in the copy it was served is written
+                getattr(mix, factor)[:, t] = new_t
+            else:
+                new = getattr(mix, factor).clone()
+                new[:, t] = new_t
+                setattr(mix, factor, new)
             final = mix.state_output.save()
             logits = model.logits.save()
         with model.trace(PROMPT):
@@ -332,16 +320,13 @@ def test_a_written_mamba2_write_is_what_the_token_adds(name: str, factor: str) -
             setattr(mix, factor, new)
             final = mix.state_output.save()
             logits = model.logits.save()
-    seen = _scan_args(name, hf, ids)[layer]
-    call = {k: v.detach() if isinstance(v, torch.Tensor) else v
-            for k, v in (dict(zip(("hidden_states", "dt", "A", "B", "C"), seen[0])) | seen[1]).items()}
+    call = _named(kernel_calls(name, hf, ids)[layer], _SCAN)
     B = call["B"].float().repeat_interleave(d["heads"] // call["B"].shape[2], dim=2)[:, t]
-    step = call["dt"] + call["dt_bias"] if call.get("dt_bias") is not None else call["dt"]
-    step = (F.softplus(step) if call.get("dt_softplus") else step).clamp(*call.get("dt_limit", (0.0, float("inf"))))
-    x_dt = call["hidden_states"].float()[:, t] * step.float()[:, t, :, None]
+    step = _step_sizes(call)
+    x_dt = call["hidden_states"].float()[:, t] * step[:, t, :, None]
     k, v = (new_t, B) if factor == "write_keys" else (x_dt, new_t)
     before = cache_after(hf, ids, t - 1).get_recurrent_state(layer).float()
-    state = before * (call["A"].float() * step.float()[:, t]).exp()[..., None, None] + k[..., :, None] * v[..., None, :]
+    state = before * (call["A"].float() * step[:, t]).exp()[..., None, None] + k[..., :, None] * v[..., None, :]
     want_logits, want_final = _ssd_written(name, hf, ids, layer, state, t)
     _close(logits[:, t:], want_logits, tol=1e-3)
     _close(final, want_final, tol=2e-4)
@@ -349,6 +334,29 @@ def test_a_written_mamba2_write_is_what_the_token_adds(name: str, factor: str) -
         clean = hf_forward(hf, ids).logits
     assert float((final - cache_after(hf, ids, 12).get_recurrent_state(layer).float()).abs().max()) > 1e-3
     _close(logits[:, :t], clean[:, :t], tol=1e-4)
+
+
+def _step_written(model: Any, prompt: Any, layer: int, new: torch.Tensor, later: str) -> tuple[dict[str, Any], Any]:
+    """A generate of 3 tokens whose step 1 reads `layer`'s write factors, writes `new` as its one token's
+    write_values and reads its state_output; at step 2 `later` ("logits": the last logits, or "state_input"):
+    (what was read, the tokens)."""
+    got: dict[str, Any] = {}
+    with torch.no_grad():
+        with model.generate(prompt, max_new_tokens=3, do_sample=False) as tracer:
+            for step in tracer.iter[:3]:
+                mix = model.layers[layer].linear_attn
+                if step == 1:
+                    got["keys"] = mix.write_keys.save()
+                    old = mix.write_values
+                    got["values"] = old.clone().save()
+                    written = old.clone()
+                    written[:, 0] = new
+                    mix.write_values = written
+                    got["after"] = mix.state_output.save()
+                if step == 2:
+                    got[later] = (model.logits[:, -1] if later == "logits" else mix.state_input).save()
+            tokens = tracer.result.save()
+    return got, tokens
 
 
 @pytest.mark.parametrize("name", testing_ssd.MAMBA2_FAMILY_NAMES)
@@ -363,41 +371,14 @@ def test_a_mamba2_decode_steps_write_is_read_and_written(name: str) -> None:
     layer = model.spec.ssm_layers()[-1]
     d = model.spec.dims
     new_v = _donor((1, d["heads"], d["d_state"]), seed=9)
-    got: dict[str, Any] = {}
-    with torch.no_grad():
-        with model.generate(ids, max_new_tokens=3, do_sample=False) as tracer:
-            for step in tracer.iter[:3]:
-                mix = model.layers[layer].linear_attn
-                if step == 1:
-                    got["keys"] = mix.write_keys.save()
-                    old = mix.write_values
-                    got["values"] = old.clone().save()
-                    new = old.clone()
-                    new[:, 0] = new_v
-                    mix.write_values = new
-                    got["after"] = mix.state_output.save()
-                if step == 2:
-                    got["logits"] = model.logits[:, -1].save()
-            tokens = tracer.result.save()
+    got, tokens = _step_written(model, ids, layer, new_v, "logits")
     first = tokens[:, ids.shape[1]:ids.shape[1] + 1]
     cache = internals.output_cache(hf_forward(hf, ids))
     before = cache.get_recurrent_state(layer).float().clone()
-    seen: dict[str, Any] = {}
-
-    def spy(layer_: int, original: Any, args: tuple, kw: dict) -> Any:
-        if layer_ == layer:
-            seen.update(dict(zip(("state", "x", "dt", "A", "B", "C", "D"), args)) | kw)
-            seen["state"] = seen["state"].clone()
-        return original(*args, **kw)
-
-    import copy
     clean_cache = copy.deepcopy(cache)
-    with kernel_patched(name, hf, internals.STEP_GLOBAL, spy):
-        hf_forward(hf, first, clean_cache, start=ids.shape[1])
+    seen = _named(kernel_calls(name, hf, first, internals.STEP_GLOBAL, clean_cache, ids.shape[1])[layer], _STEP)
     after = clean_cache.get_recurrent_state(layer).float()
-    dt = seen["dt"] + seen["dt_bias"] if seen.get("dt_bias") is not None else seen["dt"]
-    dt = (F.softplus(dt) if seen.get("dt_softplus") else dt).float().detach()
-    decay = (dt[..., None] * seen["A"].float().detach()).exp()  # dt [b, h, P], A [h, P, N]: as the step makes it
+    decay = (_step_sizes(seen)[..., None] * seen["A"].float()).exp()  # dt [b, h, P], A [h, P, N], as the step
     update = after - before * decay
     _close(got["keys"][:, 0, :, :, None] * got["values"][:, 0, :, None, :], update, tol=2e-5)
     written = before * decay + got["keys"][:, 0, :, :, None] * new_v[:, :, None, :]
@@ -421,46 +402,18 @@ def test_a_delta_rule_decode_steps_write_is_the_state_the_next_step_starts_from(
     layer = model.spec.linear_layers()[-1]
     d = model.spec.dims
     new_u = _donor((1, d["heads"], d["value_dim"]), seed=11)
-    got: dict[str, Any] = {}
-    with torch.no_grad():
-        with model.generate(PROMPT, max_new_tokens=3, do_sample=False) as tracer:
-            for step in tracer.iter[:3]:
-                mix = model.layers[layer].linear_attn
-                if step == 1:
-                    got["keys"] = mix.write_keys.save()
-                    old = mix.write_values
-                    got["values"] = old.clone().save()
-                    new = old.clone()
-                    new[:, 0] = new_u
-                    mix.write_values = new
-                    got["after"] = mix.state_output.save()
-                if step == 2:
-                    got["next"] = mix.state_input.save()
-            tokens = tracer.result.save()
+    got, tokens = _step_written(model, PROMPT, layer, new_u, "state_input")
     n = ids.shape[1]
     with torch.no_grad():
         cache = hf(ids, use_cache=True).past_key_values
         before = cache.get_recurrent_state(layer).float().clone()
-    fam = model.family
-    seen: list[dict[str, Any]] = []
-    real = kernels.original(fam, fam.recurrent_kernel)
-    saved = getattr(fam.module, fam.recurrent_kernel)
-
-    def spy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> Any:
-        seen.append(kw)
-        return real(query, key, value, **kw)
-
-    setattr(fam.module, fam.recurrent_kernel, spy)
-    try:
-        with torch.no_grad():
-            hf(tokens[:, n:n + 1], **internals.cache_kwargs(cache, hf), use_cache=True)
-    finally:
-        setattr(fam.module, fam.recurrent_kernel, saved)
+    calls = delta_calls(model.family, hf, tokens[:, n:n + 1], model.family.recurrent_kernel, cache)
+    seen = [kw for _, kw in calls]
     g = seen[model.spec.linear_layers().index(layer)]["g"][:, 0]
     decayed = _decayed(before, g)
     _close(got["keys"][:, 0, :, :, None] * got["values"][:, 0, :, None, :],
            cache.get_recurrent_state(layer).float() - decayed)
     written = decayed + got["keys"][:, 0, :, :, None] * new_u[:, :, None, :]
     _close(got["after"], written)
-    assert torch.equal(got["next"], got["after"])
+    assert torch.equal(got["state_input"], got["after"])
     assert float((written - cache.get_recurrent_state(layer).float()).abs().max()) > 1e-2

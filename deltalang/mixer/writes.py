@@ -43,22 +43,21 @@ def delta_factors(fam: Any, key: torch.Tensor, value: torch.Tensor, g: torch.Ten
     return _unchunked(k, b, s), _unchunked(u, b, s)
 
 
-def serve_factors(call: Any, step: int, make: Any) -> tuple[Fixed | None, tuple[torch.Tensor, torch.Tensor] | None]:
+def serve_factors(call: Any, step: int, make: Any
+                  ) -> tuple[Fixed | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """Serve `write_keys` and `write_values` to the workers waiting on them (`make()`: both, made once when first
-    asked): (the write, if one changed them (its mask over (row, token, head) past each row's padding), else
-    None; the factors served, None if none was asked for)."""
+    asked; each worker gets a copy, so that a write in place is seen too): (the write, if one changed them (its
+    mask over (row, token, head) past each row's padding), else None; the factors, None if none was asked for)."""
     made: tuple[torch.Tensor, torch.Tensor] | None = None
     new: list[Any] = [None, None]
     for i, name in enumerate(NAMES):
         if made is None and call.wants(name):
             made = make()
-        if made is not None:
-            new[i] = call.serve(name, made[i], step)
+        if made is not None and call.wants(name):
+            new[i] = call.serve(name, made[i].clone(), step)
     if made is None:
         return None, None
     new = [m if n is None else n for n, m in zip(new, made)]
-    if all(n is m for n, m in zip(new, made)):
-        return None, made
     keys, writes = (_checked(call, n, m, name) for n, m, name in zip(new, made, NAMES))
     mask = keys.ne(made[0]).any(-1) | writes.ne(made[1]).any(-1)
     for row, pad in enumerate(call.pads or ()):
