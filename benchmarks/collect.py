@@ -14,7 +14,7 @@ and the write rate (bytes / deltalang's time). Peak memory should not grow with 
 group's values and at most two shards (one being written) are held at once. The collection's first record is checked
 against a plain trace of the same model (rel. 1e-4).
 
-    python benchmarks/collect.py [--records 128 1024] [--repeat 1] [--allocator kept|default]
+    python benchmarks/collect.py [--records 128 1024] [--repeat 1] [--allocator kept|default] [--read state|write_values]
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ from deltalang.collect import human  # noqa: E402
 from deltalang.dataset_run import MAX_GROUP  # noqa: E402
 from deltalang.model import wrap_model  # noqa: E402
 
-PROGRAM = """trace t on facts {
-    read L[linear].state_after(facts.subject) as s
+# what each record keeps (`--read`): the state at the subject (18 MiB a record), or every token's write_values
+# (the second factor of each token's write, [s, heads, value_dim] a block: 144 KiB a token), an SAE's training set
+PROGRAMS = {
+    "state": "trace t on facts {\n    read L[linear].state_after(facts.subject) as s\n}\n",
+    "write_values": "trace t on facts {\n    read L[linear].write_values as s\n}\n",
 }
-"""
 
 
 def main() -> None:
@@ -56,6 +58,8 @@ def main() -> None:
     ap.add_argument("--allocator", choices=("kept", "default"), default="kept",
                     help="kept: deltalang.keep_freed_memory() before anything runs (both sides); default: glibc's own")
     ap.add_argument("--out", default=None, help="where the collections go (default: a temporary directory)")
+    ap.add_argument("--read", choices=tuple(PROGRAMS), default="state",
+                    help="state: the state at the subject; write_values: every token's write_values")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     kept = args.allocator == "kept" and deltalang.keep_freed_memory()
@@ -67,7 +71,7 @@ def main() -> None:
     linear = model.linear_layers()
     base = Path(args.out or tempfile.mkdtemp(prefix="deltalang-collect-"))
     print(f"benchmarks/collect.py — {datetime.date.today()} — {machine()}")
-    print(f"read L[linear].state_after(facts.subject) ({len(linear)} blocks) over records of {args.low}-{args.high} "
+    print(f"{PROGRAMS[args.read].splitlines()[1].strip()} ({len(linear)} blocks) over records of {args.low}-{args.high} "
           f"tokens; random Qwen3.5-0.8B-shaped model; median of {args.repeat}; allocator: "
           f"{'freed memory kept (both sides)' if kept else 'glibc defaults'}")
     print(f"{'records':>7} | {'plain':>8} | {'deltalang':>9} | {'dl / plain':>10} | {'peak plain':>10} | "
@@ -85,14 +89,14 @@ def main() -> None:
                 hf(**enc, logits_to_keep=1)
 
         def ours() -> None:
-            deltalang.run(PROGRAM, model, data={"facts": data}, out=out)
+            deltalang.run(PROGRAMS[args.read], model, data={"facts": data}, out=out)
 
         t0 = time.perf_counter()
         times, peaks = timed({"plain": plain, "deltalang": ours}, args.repeat,
                              before={"deltalang": lambda: shutil.rmtree(out, ignore_errors=True)})
         wall = time.perf_counter() - t0
         col = deltalang.load_results(out)
-        _check_first(model, data, col, linear)
+        _check_first(model, data, col, linear, args.read)
         written = sum(f.stat().st_size for f in out.iterdir())
         print(f"{n:>7} | {times['plain']:>6.1f} s | {times['deltalang']:>7.1f} s | "
               f"{times['deltalang'] / times['plain']:>9.2f}x | {human(peaks['plain']):>10} | "
@@ -117,14 +121,15 @@ def timed(cases: dict[str, Callable[[], object]], repeat: int, before: dict[str,
 
 
 def _check_first(model: deltalang.DeltaModel, data: list[dict[str, str]], col: deltalang.Collection,
-                 linear: list[int]) -> None:
-    """The first record's states equal a plain trace of its prompt alone."""
+                 linear: list[int], read: str) -> None:
+    """The first record's values equal a plain trace of its prompt alone."""
     record, values = col[0]
     prompt, subject = record["prompt"], record["subject"]
     pos = len(model.tokenizer(prompt[:prompt.index(subject) + len(subject)]).input_ids) - 1
     box: dict[str, list[torch.Tensor]] = {}
     with model.trace(prompt):
-        box["s"] = [model.layers[L].linear_attn.state_after(pos).save() for L in linear]
+        box["s"] = [model.layers[L].linear_attn.state_after(pos).save() if read == "state"
+                    else model.layers[L].linear_attn.write_values.save() for L in linear]
     for L, want in zip(linear, box["s"]):
         got = values[f"s.L{L}"]
         assert float((got - want[0]).norm() / want.norm()) < 1e-4, L

@@ -6,9 +6,8 @@
 - `per_token_reduced(..., sinks)`: each group of chunks of one row handed to every sink and dropped, so the
   `[b, s, h, dk, dv]` tensor never exists; `per_token_sq_norms` each head's squared norm after every token,
   `per_token_projections` its dot product with a direction, neither making any state per token.
-- `per_token_loop`: the same recurrence token by token (the tests' plain statement of it).
-- `final_state`: the state after the last token alone (a read's side call), one decay per head.
-- `prepare`: the kernels' own preprocessing; `read_state`: one token's read `q_t @ S`.
+- `per_token_loop`: the same recurrence token by token (the tests' statement); `prepare`: the kernels' own
+  preprocessing; `read_state`: one token's read `q_t @ S`; `final_state`: the last state alone (a side call).
 - `reusing()` / `release()`: inside a traced forward, a block's states reuse an earlier call's buffer once
   nothing references it; a tensor returned is never overwritten while anything can see it.
 """
@@ -335,15 +334,23 @@ def _scan_products(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k: torch.
 
 
 def _chunk_system(fam: families.Family, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int) -> tuple[Any, ...]:
+                  initial_state: torch.Tensor | None, use_qk_l2norm: bool, chunk_size: int,
+                  fixed: tuple[torch.Tensor, ...] | None = None) -> tuple[Any, ...]:
     """`per_token`'s chunked pieces before the scan, without the queries: (k, kd, decay, cum, u0, w, S0 `[bh, dk,
     dv]`, b, s, gram, to_end), u0 and w the chunk's corrections before and their dependence on its starting state,
-    to_end each token's log decay to its chunk's end (`_log_decays`)."""
+    to_end each token's log decay to its chunk's end (`_log_decays`). `fixed` (keys `[b, s, h, dk]`, writes
+    `[b, s, h, dv]`, mask `[b, s, h]`): where the mask holds, the token writes those keys and that u as given,
+    no correction (its row of the system zero: a written write, `mixer.writes`)."""
     heads = value.shape[-2]
     if key.shape[-2] != heads:
         key = key.repeat_interleave(heads // key.shape[-2], dim=2)
     k = _normed(fam, key.transpose(1, 2).to(torch.float32).contiguous(), use_qk_l2norm)
     v, gg, bb = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (value, g, beta))
+    v = v * bb[..., None]  # the right-hand side of the chunk's system: beta v
+    if fixed is not None:
+        keys, writes, mask = (x.transpose(1, 2) for x in fixed)
+        k, v = torch.where(mask[..., None], keys.float(), k), torch.where(mask[..., None], writes.float(), v)
+        bb = bb.masked_fill(mask, 0.0)
     b, h, s, dk = k.shape
     dv = v.shape[-1]
     S0 = _start_state(initial_state, (b, h, dk, dv), v.device)
@@ -365,7 +372,7 @@ def _chunk_system(fam: families.Family, key: torch.Tensor, value: torch.Tensor, 
         kd = pair.exp() * k[..., None, :, :]
         system, decay = (kd @ (k * bb)[..., None])[..., 0], None
     inverse = _inverse_unit_lower(system.tril(-1))
-    u0, w = inverse @ (v * bb), inverse @ (k * bb * cum.exp())
+    u0, w = inverse @ v, inverse @ (k * bb * cum.exp())
     return k, kd, decay, cum, u0, w, S0.reshape(b * h, dk, dv), b, s, gram, to_end
 
 
@@ -394,13 +401,9 @@ def _scan(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k_last: torch.Tens
 def _chunk_outputs(q: torch.Tensor, k: torch.Tensor, kd: torch.Tensor | None, decay: torch.Tensor | None,
                    cum: torch.Tensor, starts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Every token's output, `[bh, n, C, dv]`: out_t = (q_t * exp(G_t)) S0 + sum_j (q_t . kd[t, j]) u_j."""
-    n = u.shape[1]
-    if decay is not None:
-        intra = (q @ k.transpose(-1, -2)) * decay
-    else:
-        assert kd is not None
-        intra = (kd @ q[..., None])[..., 0]  # [bh, n, C, C]
-    return (q * cum.exp()) @ starts[:n].transpose(0, 1) + intra @ u
+    assert decay is not None or kd is not None
+    intra = (q @ k.transpose(-1, -2)) * decay if decay is not None else (kd @ q[..., None])[..., 0]  # [bh, n, C, C]
+    return (q * cum.exp()) @ starts[:u.shape[1]].transpose(0, 1) + intra @ u
 
 
 def _unchunk(out: torch.Tensor, b: int, h: int, s: int, dtype: torch.dtype) -> torch.Tensor:

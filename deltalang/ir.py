@@ -209,7 +209,7 @@ class Reduce:
 # the values with a value-head axis, and which axis it is (`.head(h)` slices it)
 HEAD_AXIS: dict[str, int] = {"state_input": 1, "state_after": 1, "state_output": 1, "states": 2,
                              "attention_queries": 2, "attention_keys": 2, "attention_values": 2, "decays": 2,
-                             "betas": 2, "attention_head_outputs": 2}
+                             "betas": 2, "attention_head_outputs": 2, "write_keys": 2, "write_values": 2}
 
 
 @attrs.frozen

@@ -77,6 +77,16 @@ CATALOGUE: dict[str, Value] = {
         Value("decay_rates", "[heads]",
               "A = -exp(A_log) < 0, each head's decay rate (the same at every token): [heads].", kinds=(SSM,),
               writable=True, order=29),
+        # a token's write, as its two factors: S_t = a_t S_(t-1) + write_keys_t ⊗ write_values_t (`mixer.writes`)
+        Value("write_keys", "[b, s, heads, key_dim]",
+              "The keys each token writes the state at, as the delta rule sees them (after its l2-norm): the first "
+              "factor of its write, S_t = a_t S_(t-1) + write_keys_t ⊗ write_values_t: [b, s, heads, key_dim] "
+              "(Mamba-2: dt_t x_t, [b, s, heads, head_dim]).", kinds=(DELTANET, SSM), writable=True, order=35,
+              per_token=True, ssm_shape="[b, s, heads, head_dim]"),
+        Value("write_values", "[b, s, heads, value_dim]",
+              "What each token writes at its key: beta_t (v_t - (a_t S_(t-1))^T k_t), the second factor of its "
+              "write: [b, s, heads, value_dim] (Mamba-2: B_t of the head's group, [b, s, heads, d_state]).",
+              kinds=(DELTANET, SSM), writable=True, order=36, per_token=True, ssm_shape="[b, s, heads, d_state]"),
         Value("state_input", "[b, heads, key_dim, value_dim] or None",
               "The state the call starts from: None on a fresh prompt, a copy of the cached state on a decode "
               "step.", kinds=(DELTANET, SSM), writable=True, order=30,

@@ -32,7 +32,9 @@ suppressed (as `min_new_tokens=max_new_tokens` does).
 
 For Mamba-2 (SSD) blocks the tests build their truth from the same pieces, kept here once:
 `hf_forward` (transformers' forward with a cache, positions from `start` where the model takes them),
-`cache_after` (its cache after tokens 0..t), `kernel_patched` (a kernel global of the family's modeling module,
+`cache_after` (its cache after tokens 0..t), `kernel_calls` (what a forward hands a kernel global, per mixer; `delta_calls` a delta-rule
+family's kernels),
+`kernel_patched` (a kernel global of the family's modeling module,
 the scan `internals.SCAN_GLOBAL`, the decode step `internals.STEP_GLOBAL` or the convolution, called through a wrapper
 told which Mamba-2 mixer runs: `mixer_running`, `kernel_global`) and `step_replaced` (a one-token step whose
 state update ends in a written state, which the token reads: y = h C + D x); `states_written` is the state
@@ -358,6 +360,44 @@ def kernel_patched(name: str, hf: Any, attr: str, wrap: Callable[[int, Callable[
     with mixer_running(hf) as current, kernel_global(
             name, attr, lambda original: lambda *a, **k: wrap(current[0], original, a, k)):
         yield
+
+
+def delta_calls(fam: families.Family, hf: Any, ids: torch.Tensor, kernel: str | None = None,
+                cache: Any = None) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) of every call of a delta-rule family's kernel global `kernel` (its chunk kernel unless
+    named: `fam.recurrent_kernel` for a decode step) in transformers' forward of `ids` (from `cache`), in block
+    order; the kernel run is the one transformers' module held at import (`kernels.original`)."""
+    name = kernel or fam.chunk_kernel
+    calls: list[tuple[tuple, dict]] = []
+    real = kernels.original(fam, name)
+    saved = getattr(fam.module, name)
+
+    def record(*a: Any, **k: Any) -> Any:
+        calls.append((a, dict(k)))
+        return real(*a, **k)
+    setattr(fam.module, name, record)
+    try:
+        with torch.no_grad():
+            hf(ids, **(cache_kwargs(cache, hf) if cache is not None else {}), use_cache=True)
+    finally:
+        setattr(fam.module, name, saved)
+    return calls
+
+
+def kernel_calls(name: str, hf: Any, ids: torch.Tensor, attr: str = internals.SCAN_GLOBAL, cache: Any = None,
+                 start: int = 0) -> dict[int, tuple[tuple, dict]]:
+    """The (args, kwargs) transformers' forward of `ids` (from `cache`, at `start`) hands kernel global `attr` of
+    family `name` (the prompt scan; `internals.STEP_GLOBAL`: the decode step), per cache layer of its Mamba-2
+    mixers: the last call of each."""
+    calls: dict[int, tuple[tuple, dict]] = {}
+
+    def record(layer: int, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        calls[layer] = (args, kwargs)
+        return original(*args, **kwargs)
+
+    with kernel_patched(name, hf, attr, record):
+        hf_forward(hf, ids, cache, start=start)
+    return calls
 
 
 @contextmanager

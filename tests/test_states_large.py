@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from reference import hf_forward, kernel_patched
+from reference import delta_calls, kernel_calls
 from transformers import AutoModelForCausalLM
 
 import deltalang
@@ -61,23 +61,6 @@ def large_checkpoint(family: str) -> Path:
     return built_once(family, _build_large, prefix="deltalang-large-")
 
 
-def _kernel_inputs(fam: families.Family, hf: Any, ids: torch.Tensor) -> list[tuple[tuple, dict]]:
-    """The arguments of every call of the chunk kernel in transformers' forward of `ids`, in block order."""
-    calls: list[tuple[tuple, dict]] = []
-    original = getattr(fam.module, fam.chunk_kernel)
-
-    def record(*a: Any, **k: Any) -> Any:
-        calls.append((a, dict(k)))
-        return original(*a, **k)
-    setattr(fam.module, fam.chunk_kernel, record)
-    try:
-        with torch.no_grad():
-            hf(ids)
-    finally:
-        setattr(fam.module, fam.chunk_kernel, original)
-    return calls
-
-
 def _recurrent_states(fam: families.Family, call: tuple[tuple, dict]) -> list[torch.Tensor]:
     """transformers' token-by-token kernel over one chunk-kernel call's inputs: the state after each token."""
     names = ("query", "key", "value", "g", "beta")
@@ -102,7 +85,7 @@ def test_states_of_large_late_blocks_equal_transformers_recurrence(family: str) 
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     layers = model.spec.linear_layers()
     got = _states_read(model, layers)
-    calls = _kernel_inputs(fam, hf, ids)
+    calls = delta_calls(fam, hf, ids)
     assert len(calls) == len(layers)
     worst = (0.0, -1, -1)
     with torch.no_grad():
@@ -152,13 +135,7 @@ def test_states_of_large_late_mamba2_blocks_equal_transformers_steps(name: str) 
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = model.tokenizer(PROMPT, return_tensors="pt").input_ids
     layers = model.spec.ssm_layers()
-    calls: dict[int, tuple[tuple, dict]] = {}
-
-    def record(layer: int, original: Any, a: tuple, k: dict) -> Any:
-        calls[layer] = (a, k)
-        return original(*a, **k)
-    with kernel_patched(name, hf, internals.SCAN_GLOBAL, record):
-        hf_forward(hf, ids)
+    calls = kernel_calls(name, hf, ids)
     assert sorted(calls) == layers
     got = _states_read(model, layers)
     worst = (0.0, -1, -1)

@@ -28,6 +28,7 @@ from ..measures import Reduction
 from .reduced import _pending, _waiting
 from .requests import Requests
 from .rows import _invokes
+from .writes import serve_factors, ssd_factors, ssd_written, step_change, step_factors
 
 if TYPE_CHECKING:
     from ..families import Family
@@ -88,6 +89,7 @@ class SSDCall(Requests):
         if new_A is not A:
             inputs[2] = self._checked(new_A, tuple(A.shape), "decay_rates", A)
         initial = self._state_input(initial, inputs[0], step)
+        fixed, made = serve_factors(self, step, lambda: ssd_factors(inputs, opts))  # a token's write (`writes`)
 
         def run(a: int, e: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             x, dt, A_, B, C = inputs
@@ -111,6 +113,9 @@ class SSDCall(Requests):
         if self.wants("states"):
             self.serve("states", ssd.per_token(*inputs, initial_states=initial, **opts)[1], step)
         y, final = run(0, s, initial)  # the forward's own call, unchanged
+        if fixed is not None:
+            assert made is not None
+            y, final = ssd_written(self, step, y, final, inputs, opts, made, fixed)
         y, final, writes, cum = self._scan_after(side, y, final, initial, step, inputs, opts)
         if self.wants("states_as_run"):
             self.serve("states_as_run", self._ssd_as_run(inputs, initial, opts, writes, cum), step)
@@ -237,19 +242,24 @@ class SSDCall(Requests):
         if new is not served:
             state.copy_(self._checked(new, tuple(state.shape), "state_input", state))
         out = fn(state, hidden_states, dt, A, B, C, D, **kw)
+
+        def written(new: torch.Tensor) -> torch.Tensor:  # the cache continues from `new`; the token reads it
+            state.copy_(new.to(state.dtype))
+            y = ssd.read_state(C, new, hidden_states, D[:, 0] if D is not None and D.dim() == 2 else D)
+            z = kw.get("z")
+            return (y * F.silu(z.float()) if z is not None else y).to(out.dtype)
+        fixed, made = serve_factors(self, step, lambda: step_factors(hidden_states, dt, B, kw))
+        if fixed is not None:
+            assert made is not None
+            out = written(state.float() + step_change(made, fixed))
         self._step_reduced(state, step)
         if self.wants("states"):
             self.serve("states", state.float().unsqueeze(1).clone(), step)
         for name in self._names_at("state_after", step, 0):
             served = state.float().clone()
             new = self._serve_rows(name, served, step)
-            if new is not served:  # the cache continues from it; the token reads it
-                state.copy_(new.to(state.dtype))
-                y = ssd.read_state(C, new, hidden_states, D[:, 0] if D is not None and D.dim() == 2 else D)
-                z = kw.get("z")
-                if z is not None:
-                    y = y * F.silu(z.float())
-                out = y.to(out.dtype)
+            if new is not served:
+                out = written(new)
         if self.wants("states_as_run"):  # its one token's state as it ran: after the writes above
             self.serve("states_as_run", state.float().unsqueeze(1).clone(), step)
         served = state.float().clone()

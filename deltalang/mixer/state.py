@@ -21,6 +21,7 @@ from .reads import forward_for, read_only, serve_reads
 from .reduced import serve_reduced
 from .requests import Requests
 from .rows import split_by_rows
+from .writes import delta_factors, run_written, serve_factors
 
 if TYPE_CHECKING:
     from ..families import Family
@@ -73,6 +74,7 @@ class DeltaRuleCall(Requests):
             initial = self._checked_state(new_in, value, "state_input")
         elif served_in is not None and initial is None:
             initial = served_in
+        fixed = serve_factors(self, step, lambda: delta_factors(self.family, key, value, g, beta, initial, l2))[0]
 
         def run(a: int, b: int, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             out, final = fn(query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
@@ -81,7 +83,10 @@ class DeltaRuleCall(Requests):
 
         s = query.shape[1]
         serve_reduced(self, step, query, key, value, g, beta, initial, l2)  # reductions of `states`, beside it
-        if read_only(self):  # the unchanged call (run as far as each read needs); the states asked for beside it
+        if fixed is not None:  # tokens' writes written: the rule with those fixed (`writes`)
+            self._serve_states(step, (query, key, value, g, beta), initial, l2, None)
+            out, state = run_written(self, step, (query, key, value, g, beta), initial, l2, fixed)
+        elif read_only(self):  # the unchanged call (run as far as each read needs); the states asked for beside it
             forward = forward_for(self, fn, (query, key, value, g, beta), initial, l2)
             if self.wants("states"):  # served before any write: the last is the whole call's final state
                 forward.run_to(s)
@@ -90,7 +95,7 @@ class DeltaRuleCall(Requests):
         else:
             self._serve_states(step, (query, key, value, g, beta), initial, l2, None)
             out, state = self._split_writes(fn, run, s, initial, step, (query, key, value, g, beta), l2)
-        if self.wants("states_as_run"):
+        if fixed is None and self.wants("states_as_run"):
             self.serve("states_as_run", self._as_run(query, key, value, g, beta, l2), step)
         out = self.serve("attention_head_outputs", out, step)
         final = self.serve("state_output", state, step)
