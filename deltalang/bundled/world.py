@@ -242,8 +242,8 @@ HAYSTACK_SEED = SEED + 6
 def haystack(depth: int, rng: random.Random) -> dict[str, str]:
     """A recall record with its fact (the needle) at pair `depth` of HAYSTACK_PAIRS, the question at the end.
 
-    The other pairs alternate two other keys, each with its one value (repeats, as training's recall
-    sequences have), so every record has 59 tokens and three keys with three values; the needle's value is `distance` tokens
+    The other pairs alternate two other keys, each with its one value (repeats, as training's recall sequences
+    have), so every record has 59 tokens and three keys with three values; the needle's value is `distance` tokens
     before the question's last token. Fields: prompt, answer, key, distance (as text, as data files hold it).
     """
     key, *others = rng.sample(RECALL_KEYS, 3)

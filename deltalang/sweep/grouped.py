@@ -66,7 +66,8 @@ class Grouped:
             first = max(8, *(len(lab) for lab in labels))
             width = max(*(len(g) for g in self.groups), *(len(c) for row in cells for c in row))
             lines.append(" " * first + "".join(f"{g:>{width + 1}}" for g in self.groups))
-            lines.extend(f"{lab:{first}}" + "".join(f"{c:>{width + 1}}" for c in row) for lab, row in zip(labels, cells))
+            lines.extend(f"{lab:{first}}" + "".join(f"{c:>{width + 1}}" for c in row)
+                         for lab, row in zip(labels, cells))
         return "\n".join(lines)
 
     def __str__(self) -> str:
