@@ -23,6 +23,7 @@ from deltalang.bundled import world
 from deltalang.errors import DeltaError
 from deltalang.sweep.dataset import run_dataset_sweep
 from deltalang.sweep.grouped import group_by
+from deltalang.sweep.plots import curves
 
 bundled = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 
@@ -58,6 +59,29 @@ def test_groups_are_ordered_by_number_and_hold_their_records_means() -> None:
                     ("s",)).groups == ("9", "100")
     assert group_by(rows([("far", "0", 1.0), ("near", "0", 1.0), ("9", "0", 1.0)]), "distance", "hay",
                     ("prompt", "distance"), ("s",)).groups == ("far", "near", "9")  # not all numbers: as they came
+
+
+def test_curves_draw_a_line_per_cell_and_each_baseline_dashed(tmp_path: Path) -> None:
+    import matplotlib.figure
+
+    seen: dict[str, object] = {}
+    original = matplotlib.figure.Figure.savefig
+
+    def spy(fig: matplotlib.figure.Figure, *a: object, **k: object) -> None:
+        ax = fig.axes[0]
+        seen.update(lines=[(ln.get_label(), list(ln.get_ydata()), ln.get_linestyle()) for ln in ax.get_lines()],
+                    ylim=ax.get_ylim(), ticks=[t.get_text() for t in ax.get_xticklabels()])
+        original(fig, *a, **k)
+
+    matplotlib.figure.Figure.savefig = spy  # type: ignore[method-assign]
+    try:
+        path = curves(["11", "53"], {"h=0": [1.0, 0.5], "h=2": [0.25, 0.0]}, "t", "distance", "p",
+                      tmp_path / "c.png", baselines={"clean": [1.0, 1.0]}, kind="prob")
+    finally:
+        matplotlib.figure.Figure.savefig = original  # type: ignore[method-assign]
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert seen["lines"] == [("h=0", [1.0, 0.5], "-"), ("h=2", [0.25, 0.0], "-"), ("clean", [1.0, 1.0], "--")]
+    assert seen["ylim"] == (-0.02, 1.02) and seen["ticks"] == ["11", "53"]
 
 
 def test_a_field_the_records_lack_is_one_error_naming_theirs() -> None:
@@ -128,6 +152,7 @@ def test_the_command_line_prints_and_writes_the_groups(hay: Path, monkeypatch: p
     assert rc == 0, err
     assert "memory: prob(hay.answer), mean over records by distance (cells down, distance across; n >= 1)" in out
     assert (hay / "out" / "memory-prob_hay_answer-by-distance.png").stat().st_size > 0
+    assert (hay / "out" / "memory-prob_hay_answer-by-distance-curves.png").stat().st_size > 0  # 2 cells: curves
     with open(hay / "out" / "by-distance.csv", newline="") as f:
         saved = list(csv.DictReader(f))
     assert {(r["sweep"], r["h"], r["distance"]) for r in saved} >= {("memory", "0", "11"), ("memory", "2", "53")}

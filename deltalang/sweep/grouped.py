@@ -8,8 +8,10 @@ Each cell's rows (one per record, each carrying its record's fields) are split b
 group's statistics are `dataset_run.stats_of` of its records. Groups are ordered by their number when every
 value is one (distances: 11 before 53), else as they first occur. Per sweep and measure: a table and a
 heatmap with the cells down (a cell named by its labels, `L2, h=0`) and the groups across, a heads x distance
-map (`DIR/<sweep>-<measure>-by-<field>.png`); `DIR/by-<field>.csv` holds the statistics. A trace's measure
-(a clean baseline) is one row of its own. A per-token measure's rows are not grouped.
+map (`DIR/<sweep>-<measure>-by-<field>.png`), and for at most `plots.MAX_CURVES` cells a curve each over the
+groups, the traces' same measure dashed (`...-curves.png`: recall by distance); `DIR/by-<field>.csv` holds the
+statistics. A trace's measure (a clean baseline) is one row of its own. A per-token measure's rows are not
+grouped.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .. import display
 from ..dataset_run import MeasureStats, stats_of
 from ..dataset_store import write_long_csv
 from ..errors import DeltaError
-from .plots import colour_label, heatmap, slug
+from .plots import MAX_CURVES, colour_label, curves, heatmap, slug
 
 Point = tuple[tuple[str, str], ...]  # (variable, label as written)
 
@@ -87,9 +89,14 @@ class Grouped:
             if sweep in self.sweeps:
                 labels, grid = self.grid(sweep, m)
                 kind = "normalised" if m.startswith("normalised(") else m.split("(")[0]
-                files.append(heatmap(grid, list(self.groups), labels, f"{sweep}: {m}\nmean over records by "
-                                     f"{self.field}", self.field, "cell", out / f"{sweep}-{slug(m)}-by-"
-                                     f"{slug(self.field)}.png", kind=kind, label=colour_label(m, kind)))
+                title = f"{sweep}: {m}\nmean over records by {self.field}"
+                name = f"{sweep}-{slug(m)}-by-{slug(self.field)}"
+                files.append(heatmap(grid, list(self.groups), labels, title, self.field, "cell",
+                                     out / f"{name}.png", kind=kind, label=colour_label(m, kind)))
+                if len(labels) <= MAX_CURVES:  # few cells: a curve each, the traces of the measure dashed
+                    clean = {s: self.grid(s, t)[1][0] for s, t in self.tables() if t.endswith(f".{m}")}
+                    files.append(curves(list(self.groups), dict(zip(labels, grid)), title, self.field,
+                                        colour_label(m, kind), out / f"{name}-curves.png", baselines=clean, kind=kind))
         return files
 
 
