@@ -123,9 +123,8 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     from .resolve import resolve_records
     from .spec import load_spec
 
-    if getattr(args, "prompt", None) is not None:
-        raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
     program = parsed_program(args).complete()
+    refuse_over_dataset(args, program)  # --prompt; --align/--by without a sweep
     model = getattr(args, "model", None) or next((i.name for i in program.items if isinstance(i, ast.ModelDecl)),
                                                  None)
     spec = load_spec(model, trust_remote_code=getattr(args, "trust_remote_code", False))
@@ -264,13 +263,12 @@ def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, mod
     refuse_ignored(args, bool(getattr(args, "attribution", False)))
     err = Console(stderr=True)
     out = run_dataset_sweep(source, model, filename=filename, datasets=datasets, strict=bool(getattr(args, "strict",
-                            False)), normalise=getattr(args, "normalise", None), out=args.out,
+                            False)), normalise=getattr(args, "normalise", None), out=args.out, by=args.by,
                             resume=bool(getattr(args, "resume", False)), batch_size=getattr(args, "batch_size", None),
                             engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err,
-                            method="attribution" if getattr(args, "attribution", False) else None,
+                            method="attribution" if getattr(args, "attribution", False) else None, path=args.path,
                             steps=getattr(args, "steps", None), refine=getattr(args, "refine", None),
-                            path=args.path, align=args.align, shard=args.shard, refine_from=args.refine_from,
-                            program=program)
+                            align=args.align, shard=args.shard, refine_from=args.refine_from, program=program)
     print(out.summary())
     return _closing(args, t0, f"{', '.join(FILES)} and a heatmap per sweep and measure",
                     getattr(out, "phase", None) == "estimates")  # a refine's phase 1
@@ -391,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("run", "sweep"):
             p.add_argument("--align", metavar="FIELD", help="a sweep over a dataset: count a per-token measure's "
                            "positions from this field's token (facts.subject; default -1: each record's end)")
+            p.add_argument("--by", metavar="FIELD", help="a sweep over a dataset: each cell's mean by FIELD too")
             p.add_argument("--attribution", action="store_true", help="estimate every cell from gradients")
             p.add_argument("--steps", type=int, default=None, help="attribution: points of the path (0: plain)")
             p.add_argument("--refine", type=int, default=None, help="attribution: run the top K cells exactly")

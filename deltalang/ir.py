@@ -1,15 +1,13 @@
 """The resolved program: what the resolver hands the compiler, and how results are named.
 
-`Resolved` holds the runs in source order; each `ResolvedRun` has one `ResolvedOp`
-per block with every position a plain non-negative token index, and its
-`ResolvedMeasure`s. Write sources are `FromRun`, `Zeros`, `Named`, `Scale`, `Mean`.
-Sweeps stay templates (ops whose block or position is a sweep variable) with
-their axes resolved; `ResolvedRun.points()` and `ResolvedRun.instantiate()` expand
-them. The naming rules (`op_result_name`, `measure_result_name`, `measure_call_text`, `site_text`) are
-DESIGN's and live here alone: the resolver, the planner and the sweep engine name
-results through them. `format_source` is the one spelling of a resolved write's
-source (`check` and `emit --plan` print it; `token_note` names a position's token, as `display` shows it).
-Depends on `ast` (spans, quoting), `display` and `spec` (the model's shape) only.
+`Resolved` holds the runs in source order; each `ResolvedRun` has one `ResolvedOp` per block with every position a
+plain non-negative token index, and its `ResolvedMeasure`s. Write sources are `FromRun`, `Zeros`, `Named`, `Scale`,
+`Mean`. Sweeps stay templates (ops whose block or position is a sweep variable) with their axes resolved;
+`ResolvedRun.points()` and `ResolvedRun.instantiate()` expand them. The naming rules (`op_result_name`,
+`measure_result_name`, `measure_call_text`, `site_text`) are DESIGN's and live here alone: the resolver, the planner
+and the sweep engine name results through them. `format_source` is the one spelling of a resolved write's source
+(`check` and `emit --plan` print it; `token_note` names a position's token, as `display` shows it). Depends on `ast`
+(spans, quoting), `display` and `spec` (the model's shape) only.
 """
 
 from __future__ import annotations
@@ -202,6 +200,10 @@ class Reduce:
         """`[b=1, s=8, heads=4]`."""
         return "[" + ", ".join(a if n is None else f"{a}={n}" for a, n in self.shape) + "]"
 
+    def at(self, point: Mapping[str, int]) -> "Reduce":  # a first step of a head variable's (`("head", "h")`)
+        h = self.steps[0][1] if self.steps and self.steps[0][0] == "head" else None
+        return self if not isinstance(h, str) else attrs.evolve(self, steps=(("head", point[h]), *self.steps[1:]))
+
     def loads(self) -> list["Load"]:
         return [a for k, a in self.steps if k == "project" and isinstance(a, Load)]
 
@@ -377,12 +379,11 @@ def format_source(src: WriteSource | None, runs: Sequence[ResolvedRun] = (), *, 
                   number: Callable[[float], str] = ast.format_number) -> str:
     """A resolved write's source as printed after its site; the one spelling `check` and `emit --plan` share.
 
-    `= zeros`, `*= 0.5` (the factor through `number`). A value taken from elsewhere
-    is spelled with its donor made explicit (`check`): `from base.L0.state_after(3)
-    (␣Tower)`, the token from the donor among `runs`; `= NAME (read in RUN)`;
-    `= mean(p, q: 2 prompts, positions 3 4)`. Given `donor_key` it is the result the
-    plan reads instead (`emit --plan`): `= ~base.L0.state_after(3)`.
-    (`ast.format_source` prints a source as written, before it is resolved.)
+    `= zeros`, `*= 0.5` (the factor through `number`). A value taken from elsewhere is spelled with its donor made
+    explicit (`check`): `from base.L0.state_after(3) (␣Tower)`, the token from the donor among `runs`; `= NAME
+    (read in RUN)`; `= mean(p, q: 2 prompts, positions 3 4)`. Given `donor_key` it is the result the plan reads
+    instead (`emit --plan`): `= ~base.L0.state_after(3)`. (`ast.format_source` prints a source as written, before it
+    is resolved.)
     """
     if isinstance(src, Zeros):
         return "= zeros"
@@ -475,19 +476,19 @@ def _bind_op(op: ResolvedOp, b: Mapping[str, int], run: str) -> ResolvedOp:
         written = written.replace(f"({op.position_var})", f"({pos})", 1)
     if op.head_var is not None:
         written = written.replace(f".head({op.head_var})", f".head({head})", 1)
-    return attrs.evolve(op, layer=layer, position=pos, source=src, result_name=name, written=written,
-                        layer_var=None, position_var=None, head=head, head_var=None)
+    return attrs.evolve(op, layer=layer, position=pos, source=src, result_name=name, written=written, head=head,
+                        layer_var=None, position_var=None, head_var=None, reduce=op.reduce and op.reduce.at(b))
 
 
 def _bind_measure(m: ResolvedMeasure, b: Mapping[str, int], run: str) -> ResolvedMeasure:
     layer = b[m.layer_var] if m.layer_var is not None else m.layer
     pos = b[m.position_var] if m.position_var is not None else m.position
-    if m.reduce is not None:  # `SWEEP.norm(L{L}.state_after({t}), over=[...])`: its variables bound
+    if m.reduce is not None:  # `SWEEP.norm(L{L}.state_after({t}).head({h}), over=[...])`: its variables bound
         call = m.result_name.split(".", 1)[1] if m.alias is None else m.written
-        for var, v in ((m.layer_var, layer), (m.position_var, pos)):
-            call = call if var is None else call.replace(f"{{{var}}}", str(v))
+        for var, v in b.items():  # `{L}`, `{t}`, `{h}`
+            call = call.replace(f"{{{var}}}", str(v))
         name = f"{run}.{call}" if m.alias is None else f"{run}.{m.result_name}"
-        return attrs.evolve(m, layer=layer, position=pos, result_name=name,
+        return attrs.evolve(m, layer=layer, position=pos, result_name=name, reduce=m.reduce.at(b),
                             written=call if m.alias is None else m.written, layer_var=None, position_var=None)
     site = site_text(layer, m.value or "", pos) if m.kind == "norm" else ""
     call = measure_call_text(m.kind, m.token_texts, m.against, site)

@@ -6,7 +6,7 @@ that text parsed once (`parse.parse_partial`, kept on `args.parsed`), the tree e
 `--device`, `--remote`, an `--out` that cannot be written), and combinations that mean nothing (`--naive`
 with `--attribution`, `--resume` or `--replace` without `--out`; `--refine-from DIR` is the `--out`).
 `claim_out(args)` claims the `--out` directory for the program (`results.claim_out_dir`: never results
-beside another program's). `refuse_unused_prompt` (a `--prompt` no statement uses), `refuse_shard` and `refuse_over_dataset` (`--shard`, `--align`,
+beside another program's). `refuse_unused_prompt` (a `--prompt` no statement uses), `refuse_shard` and `refuse_over_dataset` (`--shard`, `--align`, `--by`,
 `--prompt` where the program would ignore them) and `refuse_ignored` (an exact sweep's options under attribution; a
 `--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
 `launch_defaults(args)`: under `torchrun` or `accelerate launch`, `--shard` from RANK/WORLD_SIZE and `--device`
@@ -188,10 +188,10 @@ def refuse_shard(args: argparse.Namespace) -> None:
 
 def refuse_over_dataset(args: argparse.Namespace, program: Program) -> None:
     """What a program over a dataset (`program`, parsed) would ignore: `--prompt` (its prompts are the records'),
-    `--align` without a sweep (checked before a model loads)."""
+    `--align`/`--by` without a sweep (checked before a model loads)."""
     if getattr(args, "prompt", None) is not None:
         raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
-    if getattr(args, "align", None) is None:
+    if getattr(args, "align", None) is None and getattr(args, "by", None) is None:
         return
     from . import ast
 
@@ -200,11 +200,12 @@ def refuse_over_dataset(args: argparse.Namespace, program: Program) -> None:
 
 
 def refuse_align(args: argparse.Namespace, what: str = "runs one prompt") -> None:
-    """`--align` counts a per-token measure's positions in a sweep over a dataset: an error for any other program
-    (`what` it is), which would ignore it."""
-    if getattr(args, "align", None) is not None:
-        raise DeltaError(f"--align {args.align} counts a per-token measure's positions in a sweep over a dataset; "
-                         f"this program {what}: drop it")
+    """`--align` (a per-token measure's positions) and `--by` (records grouped by a field) apply to a sweep over a
+    dataset: an error for any other program (`what` it is), which would ignore them."""
+    for flag, does in (("align", "counts a per-token measure's positions"), ("by", "groups the records")):
+        if getattr(args, flag, None) is not None:
+            raise DeltaError(f"--{flag} {getattr(args, flag)} {does} in a sweep over a dataset; this program {what}: "
+                             "drop it")
 
 
 def refuse_unused_prompt(resolved: Any, prompt: str | None) -> None:

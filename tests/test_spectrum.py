@@ -113,6 +113,40 @@ def test_a_sweep_measures_a_blocks_effective_rank_after_each_write_as_the_cache_
         _close(r[f"s[t={t}].s1"], sv[0, 0, 0])
 
 
+@pytest.mark.parametrize("family", ALL)
+def test_a_sweep_over_heads_reduces_each_cells_own_head_as_the_cache_gives_it(family: str) -> None:
+    """`.head(h)` of the sweep's head variable inside a reduction: each cell's effective rank and largest singular
+    value are those of head h of the cache's state after token t (a measure, and a read)."""
+    model, _, ids, i, states = _truth(family)
+    t, heads = 20, states.shape[2]
+    src = (f'prompt p = "{PROMPT}"\nsweep s on p over h in heads {{\n'
+           f"    measure norm(L{i}.state_after({t}).head(h).erank()) as er\n"
+           f"    read L{i}.state_after({t}).head(h).svd(2) as sv\n}}\n")
+    r = deltalang.run(src, model=model)
+    sv = torch.linalg.svdvals(states[:, t])  # [1, heads, min(M, N)]
+    for h in range(heads):
+        _close(r[f"s[h={h}].er"], _erank(sv[:, h])[0])
+        _close(r[f"s[h={h}].sv"], sv[:, h, :2])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_the_engine_reduces_each_cells_head_of_the_written_blocks_final_state(family: str) -> None:
+    """`write L.state_after(t) *= 0.5` (the engine's cells) measured by `.head(h).svd(1)` of the block's final
+    state: the cache after t + 1 tokens with the state halved by hand, continued, its head h."""
+    model, hf, ids, i, _ = _truth(family)
+    src = (f'prompt p = "{PROMPT}"\nsweep s on p over t in 3, 40, h in heads[0,1] {{\n'
+           f"    write L{i}.state_after(t) *= 0.5\n"
+           f"    measure norm(L{i}.state_output.head(h).svd(1)) as s1\n}}\n")
+    r = deltalang.run(src, model=model)
+    for t in (3, 40):
+        cache = cache_after(hf, ids, t)
+        cache.get_recurrent_state(i).mul_(0.5)
+        end = output_cache(hf_forward(hf, ids[:, t + 1:], cache, start=t + 1)).get_recurrent_state(i).double()
+        sv = torch.linalg.svdvals(end)
+        for h in (0, 1):
+            _close(r[f"s[t={t},h={h}].s1"], sv[0, h, 0])
+
+
 @pytest.mark.parametrize("body, message", [
     ("read L0.output.svd(2)", "svd takes a state's matrix"),
     ("read L0.states.svd(9)", "svd(9): a state matrix [key_dim=16, value_dim=8] has 8 singular values"),

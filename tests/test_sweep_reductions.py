@@ -141,10 +141,9 @@ def test_a_read_of_a_reduction_in_a_sweep_is_each_cells_own(setup: Any) -> None:
 
 @pytest.mark.parametrize("measure, message", [
     ("norm(L.state_after(-1), over=[key_dim])", "leaves [b=1, heads=4, value_dim=32], and a sweep's cell holds one"),
-    ("norm(L.state_output.head(h))", "takes a head number (.head(2)), not a variable over heads"),
 ])
 def test_a_reduction_a_sweep_cannot_hold_is_a_located_error(measure: str, message: str) -> None:
-    axes = "L in L[linear], h in heads" if "head(h)" in measure else "L in L[linear]"
+    axes = "L in L[linear]"
     source = (f'prompt p = "The Eiffel Tower is in the city of"\nsweep s on p over {axes} {{\n'
               f'    write L.state_after(-1) = zeros\n    measure {measure}\n}}\n')
     with pytest.raises(DeltaError) as e:

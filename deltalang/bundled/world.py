@@ -235,6 +235,32 @@ def _recall_examples() -> tuple[list[Example], list[Example]]:
     return train, list(held.values())
 
 
+HAYSTACK_PAIRS = 9  # pairs in a haystack: 59 tokens with the question, inside the 64-token rows of training
+HAYSTACK_SEED = SEED + 6
+
+
+def haystack(depth: int, rng: random.Random) -> dict[str, str]:
+    """A recall record with its fact (the needle) at pair `depth` of HAYSTACK_PAIRS, the question at the end.
+
+    The other pairs alternate two other keys, each with its one value (repeats, as training's recall sequences
+    have), so every record has 59 tokens and three keys with three values; the needle's value is `distance` tokens
+    before the question's last token. Fields: prompt, answer, key, distance (as text, as data files hold it).
+    """
+    key, *others = rng.sample(RECALL_KEYS, 3)
+    values = dict(zip((key, *others), rng.sample(RECALL_VALUES, 3)))  # three values: the answer is the needle's alone
+    fill = [others[i % 2] for i in range(HAYSTACK_PAIRS - 1)]
+    pairs = [(k, values[k]) for k in fill[:depth] + [key] + fill[depth:]]
+    distance = 6 * (HAYSTACK_PAIRS - depth) - 1  # 'key: k value: v' is 6 tokens, the question ' key: k value:' 5
+    return {"prompt": recall_prompt(pairs, key), "answer": " " + values[key], "key": key, "distance": str(distance)}
+
+
+def haystacks(per_depth: int) -> list[dict[str, str]]:
+    """`per_depth` haystack records for each depth but the last (the needle is never the pair just before the
+    question, as in training), the farthest needle first; deterministic (examples/data/haystack.jsonl)."""
+    rng = random.Random(HAYSTACK_SEED)
+    return [haystack(d, rng) for d in range(HAYSTACK_PAIRS - 1) for _ in range(per_depth)]
+
+
 @lru_cache(maxsize=None)
 def examples() -> tuple[Example, ...]:
     """Every example of the world, training and held-out, fact relations first."""

@@ -6,10 +6,10 @@ against the value's axes (`values.axes`, the catalogue's shape names on the targ
 state's are `head_dim, d_state`, a DeltaNet one's `key_dim, value_dim`; `positions` stands for `s`, `key` for
 `key_dim`, `value` for `value_dim`) with `measures.step_axes`, the one statement of what a step leaves,
 and a direction's shape (its safetensors header, read here) against the axes it contracts: a located
-error before anything runs. Reductions run in traces, generates and sweeps; a sweep's reduced measure
-leaves one number per cell (or one per token), and its head is a number, not a variable over heads (the
-engine reduces the recomputed value, `sweep.engine`). `states.head(K)` is a reduction too: the value layer
-then serves one head, a group of chunks at a time.
+error before anything runs. Reductions run in traces, generates and sweeps; a sweep's reduced measure leaves one
+number per cell (or one per token); its head may be the sweep's variable over heads, bound per cell
+(`ir.Reduce.at`; the engine reduces the recomputed value, `sweep.engine`). `states.head(K)` is a reduction too:
+the value layer then serves one head, a group of chunks at a time.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def reduced_measures(scope: Scope, call: ast.Norm | ast.Project, alias: str | No
             scope.fail(f"{kind}(...) leaves {red.shown()}, and a sweep's cell holds one number (or one per "
                        f"token): reduce every axis but b (and s)", call.span)
         pos: Any = t.position if t.position_var is None else f"{{{t.position_var}}}"  # a sweep's: bound per cell
-        shown = site_text(t.layer, t.value, pos, t.layer_var, t.head) + "".join(
+        head: Any = t.head if t.head_var is None else f"{{{t.head_var}}}"
+        shown = site_text(t.layer, t.value, pos, t.layer_var, head) + "".join(
             ast.format_reduce(r) for r in call.site.reduce)
         name = measure_result_name(ctx.name, t.step, f"{kind}({shown}{tail}", alias, t.layer, t.multi)
         out.append(ResolvedMeasure(kind, name, t.step, layer=t.layer, value=t.value, position=t.position,
@@ -86,9 +87,6 @@ def reduced_measures(scope: Scope, call: ast.Norm | ast.Project, alias: str | No
 def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast.Reduce]) -> Reduce:
     """The `ir.Reduce` of target `t`: its head (of `states`), the site's reductions, then `extra`."""
     chain = [*site.reduce, *extra]
-    if ctx.kind == "sweep" and t.head_var is not None:
-        scope.fail("a reduction of one head in a sweep takes a head number (.head(2)), not a variable over heads",
-                   (chain[0].span if chain else site.span))
     per_channel = bool(scope.spec.family.per_channel_decay)
     kind = scope.spec.kind(t.layer) if t.layer is not None else values.DELTANET
     axes = values.axes(t.value, per_channel, kind)
@@ -97,8 +95,8 @@ def build(scope: Scope, site: ast.Site, t: Target, ctx: Ctx, extra: Sequence[ast
     sizes = _sizes(scope, t, ctx)
     steps: list[tuple[str, Any]] = []
     text = ""
-    if t.head is not None and t.head_var is None:  # the first step (`states`: one head a group of chunks at a time)
-        steps.append(("head", t.head))
+    if t.head is not None or t.head_var is not None:  # the first step (`states`: one head a group of chunks at
+        steps.append(("head", t.head if t.head_var is None else t.head_var))  # a time); a variable: `Reduce.at`
     have = measures.reduced_axes(axes, steps)
     for i, r in enumerate(chain):
         arg: Any = r.index if r.kind in ("head", "svd") else r.tol if r.kind == "rank" else None

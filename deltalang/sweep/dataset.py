@@ -45,6 +45,7 @@ from .attribution import Method, method_of
 from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records, marks, read_phase, \
     refine_out
 from .driver import SweepOutcome, _console_for, run_sweeps
+from .grouped import Grouped, check_field, group_by
 from .job import Normalise
 from .job import measure_label as cell_measure_label
 from .inline import dataset_sweep_html
@@ -79,6 +80,7 @@ class DatasetSweepResults:
     normalise: str | None = None
     align: str | None = None  # with per-token measures: what their positions are counted from (`sweep.aligned`)
     part: Part | None = None  # a shard's run: its share of the records (`shards.count_line`); None: the whole run
+    grouped_by: str | None = None  # `--by FIELD`: summary and save add the records grouped by it (`sweep.grouped`)
 
     @property
     def variables(self) -> list[str]:
@@ -135,6 +137,8 @@ class DatasetSweepResults:
         for c in self.stats:
             if c.sweep not in self.axes:
                 lines.append(f"{c.stats.measure:48} {format_stats(c.stats)}")
+        if self.grouped_by is not None:
+            lines.append(self.by(self.grouped_by).summary())
         lines.extend(self.dataset.left_out_lines(self.skipped))
         return "\n".join(lines)
 
@@ -155,6 +159,11 @@ class DatasetSweepResults:
 
         cols = self.columns()
         return pd.DataFrame([{k: r.get(k, "") for k in cols} for r in self.rows], columns=cols)
+
+    def by(self, field: str) -> Grouped:
+        """The cells' statistics with the records grouped by a field's text (`by("distance")`: recall by distance;
+        `sweep.grouped`): `.summary()`, `.grid(sweep, measure)`, `.save(DIR)` (a heatmap of cells x groups)."""
+        return group_by(self.rows, field, self.dataset.name, self.dataset.fields, tuple(self.axes))
 
     def _repr_html_(self) -> str:
         """Notebooks: what `summary()` prints, as HTML tables with each grid's heatmap inline (`sweep.inline`)."""
@@ -183,6 +192,8 @@ class DatasetSweepResults:
                     kind = "normalised" if m.startswith("normalised(") else m.split("(")[0]
                     heatmap(grid, cols, rows, f"{sweep}: {m}\nmean over {self._n(sweep, m)} records", axes[1][0],
                             axes[0][0], tmp / f"{sweep}-{slug(m)}.png", kind=kind, label=colour_label(m, kind))
+        if self.grouped_by is not None:
+            self.by(self.grouped_by).save(tmp)
 
     def _n(self, sweep: str, measure: str) -> int:
         return max((c.stats.n for c in self.stats if c.sweep == sweep and c.stats.measure == measure), default=0)
@@ -196,7 +207,8 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                       on_record: Callable[[int], None] | None = None, method: str | None = None,
                       steps: int | None = None, refine: int | None = None,
                       path: str | None = None, align: str | None = None,
-                      shard: Any = None, refine_from: str | Path | None = None, program: ast.Program | None = None
+                      shard: Any = None, refine_from: str | Path | None = None, by: str | None = None,
+                      program: ast.Program | None = None
                       ) -> DatasetSweepResults | DatasetAttribution:
     """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved.
 
@@ -205,6 +217,7 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     `align`: what a per-token measure's positions are counted from: a field (`facts.subject`, `facts.subject[0]`)
     or -1, each record's end (the default; `sweep.aligned`). `shard`: as `dataset_run.run_dataset`'s; an
     attribution's refine split by shards runs twice, the second time with `refine_from=DIR` (docs/shards.md).
+    `by` (`--by hay.distance`): the summary and `out` add each cell's mean per group of records (`sweep.grouped`).
     `program`: `source` already parsed (the entry points parse it once); each record's program is made from it."""
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
@@ -220,6 +233,7 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     if not good:
         raise DeltaError(f"none of the {len(ds.records)} records of '{ds.name}' resolves: nothing to run")
     how = method_of(Experiment(source, model, filename=filename, resolved=good[0][1]), method, steps, refine, path)
+    check_field(by, ds.name, ds.fields, "an attribution's estimates are not grouped" if how else "")  # before a run
     if how is not None:
         return _attribution(program, ds, good, skipped, model, source, filename, how, normalise=normalise, out=out,
                             resume=resume, batch_size=batch_size, engine=engine, console=_console_for(progress,
@@ -261,7 +275,8 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
             console.print(f"interrupted: {bar.done} of {len(todo)} record(s) done, {where}")
         raise
     result = attrs.evolve(cell_results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm,
-                                       alignment.text if tokens else None), part=part_of(part, resolutions))
+                                       alignment.text if tokens else None), part=part_of(part, resolutions),
+                         grouped_by=by)
     if out is not None and store is not None:
         result.save(out)
         store.finish()

@@ -4,7 +4,8 @@
   the prompt's tokens as tick labels, a colour bar labelled with the measure and its unit:
   a diverging map centred on 0 for signed effects (`logit_diff`, normalised effects),
   a sequential one otherwise (probabilities on 0..1);
-- one axis: a line plot per measure;
+- one axis: a line plot per measure; several cells over one axis: a curve each (`curves`: a sweep over a
+  dataset grouped by a field, `sweep.grouped`);
 - a per-token measure (`norm(L0.states)`): one curve per cell over the prompt's tokens
   (a cells x tokens image when there are too many cells for curves).
 
@@ -99,6 +100,29 @@ def line(xlabels: Sequence[str], ys: Sequence[float], title: str, xname: str, yn
     ax.set_xlabel(xname)
     ax.set_ylabel(yname)
     ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def curves(xlabels: Sequence[str], ys: Mapping[str, Sequence[float]], title: str, xname: str, yname: str,
+           path: Path, *, baselines: Mapping[str, Sequence[float]] | None = None, kind: str = "") -> Path:
+    """One curve per cell over one axis (recall by a needle's distance, a curve per ablated head), each
+    `baselines` curve dashed and black (a clean run); `kind` `prob`: the y axis on 0..1."""
+    fig = _figure(max(5.0, 0.45 * len(xlabels) + 3.0), 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, values in ys.items():
+        ax.plot(range(len(values)), values, marker="o", label=name)
+    for name, values in (baselines or {}).items():
+        ax.plot(range(len(values)), values, linestyle="--", color="black", label=name)
+    if kind == "prob":
+        ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(range(len(xlabels)), labels=list(xlabels), rotation=60, ha="right", fontsize=8)
+    ax.set_xlabel(xname)
+    ax.set_ylabel(yname)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
