@@ -6,8 +6,8 @@ plain non-negative token index, and its `ResolvedMeasure`s. Write sources are `F
 `ResolvedRun.points()` and `ResolvedRun.instantiate()` expand them. The naming rules (`op_result_name`,
 `measure_result_name`, `measure_call_text`, `site_text`) are DESIGN's and live here alone: the resolver, the planner
 and the sweep engine name results through them. `format_source` is the one spelling of a resolved write's source
-(`check` and `emit --plan` print it; `token_note` names a position's token, as `display` shows it). Depends on `ast`
-(spans, quoting), `display` and `spec` (the model's shape) only.
+(`check` and `emit --plan` print it; `token_note` names a position's token, as `display` shows it). Depends on
+`ast`, `display` and `spec` only.
 """
 
 from __future__ import annotations
