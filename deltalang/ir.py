@@ -382,8 +382,7 @@ def format_source(src: WriteSource | None, runs: Sequence[ResolvedRun] = (), *, 
     `= zeros`, `*= 0.5` (the factor through `number`). A value taken from elsewhere is spelled with its donor made
     explicit (`check`): `from base.L0.state_after(3) (␣Tower)`, the token from the donor among `runs`; `= NAME
     (read in RUN)`; `= mean(p, q: 2 prompts, positions 3 4)`. Given `donor_key` it is the result the plan reads
-    instead (`emit --plan`): `= ~base.L0.state_after(3)`. (`ast.format_source` prints a source as written, before it
-    is resolved.)
+    instead (`emit --plan`): `= ~base.L0.state_after(3)`. (`ast.format_source`: a source as written, unresolved.)
     """
     if isinstance(src, Zeros):
         return "= zeros"
