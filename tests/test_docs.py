@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from reference import Reference, Write, zeros
 from test_cli import cli
-from test_examples import DECIMAL, number_matches
+from test_examples import CELL_ATOL, DECIMAL, number_matches
 
 import deltalang
 from deltalang import values
@@ -94,18 +94,22 @@ SHOWN = [e for e in EXAMPLES if e.shown is not None]
 PLAIN = [e for e in EXAMPLES if e.shown is None or (e.command[0] == "check" and not e.fails)]  # SHOWN runs the rest
 
 
-def assert_line_matches(got: str, want: str) -> None:
-    """The same text, and each decimal number within one unit of its last printed digit (nothing else)."""
-    assert DECIMAL.sub("#", got).rstrip() == DECIMAL.sub("#", want).rstrip(), f"\n got: {got}\nwant: {want}"
+def assert_line_matches(got: str, want: str, atol: float = 0.0) -> None:
+    """The same text, and each decimal number within one unit of its last printed digit, RTOL or `atol`; given
+    `atol` (a sweep's grid), the spaces between columns may differ by a sign's width (a cell near 0 changes sign)."""
+    layout = (lambda s: " ".join(DECIMAL.sub("#", s).split())) if atol else (lambda s: DECIMAL.sub("#", s).rstrip())
+    assert layout(got) == layout(want), f"\n got: {got}\nwant: {want}"
     for g, w in zip(DECIMAL.findall(got), DECIMAL.findall(want), strict=True):
-        assert number_matches(g, w), f"{g}, the page: {w}\n got: {got}\nwant: {want}"
+        assert number_matches(g, w, atol), f"{g}, the page: {w}\n got: {got}\nwant: {want}"
 
 
-def compare(got: str, shown: str) -> None:
-    """`got` (what deltalang printed) against `shown` (the page), line by line."""
+def compare(got: str, shown: str, command: tuple[str, ...] = ()) -> None:
+    """`got` (what deltalang printed) against `shown` (the page), line by line; a sweep's cells (`command`
+    `sweep ...`) are differences of measures, within CELL_ATOL absolute too."""
+    atol = CELL_ATOL if command[:1] == ("sweep",) else 0.0
     got_lines, shown_lines = got.rstrip("\n").split("\n"), shown.rstrip("\n").split("\n")
     for g, s in zip(got_lines, shown_lines):
-        assert_line_matches(g, s)
+        assert_line_matches(g, s, atol)
     assert len(got_lines) == len(shown_lines), f"deltalang printed:\n{got}\nthe page shows:\n{shown}"
 
 
@@ -142,6 +146,14 @@ def test_the_comparison_can_fail() -> None:
     compare("patched.prob  0.000334519", "patched.prob  0.000334516")  # 1 and 2 threads: within RTOL
     with pytest.raises(AssertionError):  # beyond RTOL (1e-5) of the number and 100 units of its last digit
         compare("steered.prob  8.05854e-08", "steered.prob  8.05954e-08")
+    grid = "L1               0.0001123        -0.0004015         0.0001085         5.500e-05"
+    compare(grid.replace("5.500e-05", "5.502e-05"), grid, ("sweep", "x.dl"))  # a cell: float32 rounding of 1
+    compare(grid.replace("         5.500e-05", "        -1.000e-08"), grid.replace("5.500e-05", "2.000e-08"),
+            ("sweep", "x.dl"))  # a cell near 0 changing sign moves its column's spaces
+    with pytest.raises(AssertionError):  # the same outside a sweep's grid
+        compare(grid.replace("5.500e-05", "5.502e-05"), grid, ("run", "x.dl"))
+    with pytest.raises(AssertionError):  # a cell off by more than a float32 epsilon
+        compare(grid.replace("5.500e-05", "5.540e-05"), grid, ("sweep", "x.dl"))
     page = "```dl\nread L0.states\n```\n\n```text\n$ deltalang run x.dl\nmain.L0.states  1\n```\n"
     (ex,) = examples(page)
     assert ex.command == ("run", "x.dl") and ex.shown == "main.L0.states  1\n" and not ex.fails
@@ -172,7 +184,7 @@ def test_the_page_shows_what_deltalang_prints(ex: Example, workdir: Path) -> Non
     assert "Traceback" not in err and "internal error" not in err
     assert rc == (1 if ex.fails else 0), got
     assert ex.shown is not None
-    compare(got, ex.shown)
+    compare(got, ex.shown, ex.command)
 
 
 def test_the_script_pairs_programs_and_outputs_as_the_test_does() -> None:
@@ -207,7 +219,7 @@ def test_every_page_shows_what_deltalang_prints(item: tuple[Path, regen.Shown]) 
     rc, got = regen.run_command(shown.command, ROOT)
     assert "Traceback" not in got and "internal error" not in got
     assert rc == (1 if shown.fails else 0), got
-    compare(got, shown.shown)
+    compare(got, shown.shown, tuple(shown.command))
 
 
 @bundled
@@ -217,7 +229,7 @@ def test_every_pages_programs_print_what_it_shows(item: tuple[Path, regen.Shown]
     rc, got = regen.printed(page, shown, regen.data_files(page.read_text(encoding="utf-8")))
     assert "Traceback" not in got and "internal error" not in got
     assert rc == (1 if shown.fails else 0), got
-    compare(got, shown.shown)
+    compare(got, shown.shown, tuple(shown.command))
 
 
 SHOWN_FILE = re.compile(r"\A# (examples/\w+\.dl)\n")

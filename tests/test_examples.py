@@ -46,9 +46,15 @@ README = readme_outputs()
 RTOL = 1e-5  # the one slack of a shown number beyond its last digit: float32 sums differ by thread count and CPU
 
 
-def number_matches(got: str, want: str) -> bool:
-    """A printed number against the page's: within one unit of its last printed digit, or RTOL of it."""
-    return abs(float(got) - float(want)) <= max(printed_unit(want) * 1.0001, RTOL * abs(float(want)))
+# a sweep cell is a difference of two float32 measures of order 1 (probabilities): its rounding is absolute, up to
+# about one float32 epsilon whatever the cell's own size (the causal-tracing grids' near-zero cells, between CPUs:
+# 5.502e-05 against 5.500e-05, -4.336e-09 against 2.368e-08)
+CELL_ATOL = 2.0 ** -23  # float32's epsilon
+
+
+def number_matches(got: str, want: str, atol: float = 0.0) -> bool:
+    """A printed number against the page's: within one unit of its last printed digit, RTOL of it, or `atol`."""
+    return abs(float(got) - float(want)) <= max(printed_unit(want) * 1.0001, RTOL * abs(float(want)), atol)
 
 
 def printed_unit(number: str) -> float:
