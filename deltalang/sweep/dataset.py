@@ -211,14 +211,10 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
                       program: ast.Program | None = None
                       ) -> DatasetSweepResults | DatasetAttribution:
     """Run a program with sweeps over its dataset (see the module doc); `on_record(i)`: after record i is saved.
-
-    `method`, `steps`, `refine`, `path`: as `run_sweep`'s; a sweep by attribution (the program's `method
-    attribution` or `method="attribution"`) gives a `DatasetAttribution` (`sweep.attribution_dataset`).
-    `align`: what a per-token measure's positions are counted from: a field (`facts.subject`, `facts.subject[0]`)
-    or -1, each record's end (the default; `sweep.aligned`). `shard`: as `dataset_run.run_dataset`'s; an
-    attribution's refine split by shards runs twice, the second time with `refine_from=DIR` (docs/shards.md).
-    `by` (`--by hay.distance`): the summary and `out` add each cell's mean per group of records (`sweep.grouped`).
-    `program`: `source` already parsed (the entry points parse it once); each record's program is made from it."""
+    `method`, `steps`, `refine`, `path`: as `run_sweep`'s; by attribution, a `DatasetAttribution`. `align`: where a
+    per-token measure's positions count from: a field (`facts.subject[0]`) or -1, each record's end (`sweep.aligned`).
+    `shard`: as `run_dataset`'s; an attribution's refine split by shards runs again with `refine_from=DIR`. `by`
+    (`--by hay.distance`): each cell's mean per group of records too (`sweep.grouped`). `program`: `source` parsed."""
     if resume and out is None:
         raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     if program is None:
