@@ -5,7 +5,7 @@ On a random model with Qwen3.5-0.8B's shapes (18 DeltaNet blocks, one state 16 x
   plain      transformers' own forwards over the same records, in the same batches (sorted by length,
              `MAX_GROUP` a forward, left-padded), no intervention, nothing kept, `logits_to_keep=1`
   deltalang  `read L[linear].state_after(facts.subject) as s` over the dataset, every record's 18 states
-             written to sharded safetensors in a fresh --out (`deltalang.collect`), resolution included
+             written to sharded safetensors in a fresh --out (`deltalang.runs.collect`), resolution included
 Both sides run in one process whose allocator keeps freed memory for reuse (`deltalang.keep_freed_memory()`,
 what the command line does for itself) unless `--allocator default` leaves glibc's defaults (docs/benchmarks.md:
 "The allocator"). For each number of records: the median time of each (cases interleaved), deltalang / plain, the peak
@@ -37,9 +37,9 @@ from dataset_records import records  # noqa: E402
 from values import peak_memory  # noqa: E402
 
 import deltalang  # noqa: E402
-from deltalang.collect import human  # noqa: E402
-from deltalang.dataset_run import MAX_GROUP  # noqa: E402
-from deltalang.model import wrap_model  # noqa: E402
+from deltalang.runs.collect import human  # noqa: E402
+from deltalang.runs.dataset_run import MAX_GROUP  # noqa: E402
+from deltalang.runtime.model import wrap_model  # noqa: E402
 
 # what each record keeps (`--read`): the state at the subject (18 MiB a record), or every token's write_values
 # (the second factor of each token's write, [s, heads, value_dim] a block: 144 KiB a token), an SAE's training set

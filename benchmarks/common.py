@@ -35,7 +35,7 @@ def qwen35_08b_shaped(vocab_size: int = 248320, seed: int = 0, layers: int = 24)
 
 def tokenizer_for(vocab_size: int = 248320):
     """A stand-in tokenizer: prompts are given as ids, this only has to exist."""
-    from deltalang.testing import byte_tokenizer
+    from deltalang.models.testing import byte_tokenizer
 
     return byte_tokenizer()
 

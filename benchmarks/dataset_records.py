@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for
 
 import deltalang
-from deltalang.dataset_run import MAX_GROUP
-from deltalang.model import wrap_model
+from deltalang.runs.dataset_run import MAX_GROUP
+from deltalang.runtime.model import wrap_model
 
 PROGRAM = """trace t on facts {
     write L[linear].state_after(facts.subject) from facts.corrupt

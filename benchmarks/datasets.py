@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for
 from dataset_records import records as _records
 
-from deltalang.model import DeltaModel, wrap_model
+from deltalang.runtime.model import DeltaModel, wrap_model
 from deltalang.sweep.dataset import run_dataset_sweep
 
 LABELS = ("facts.subject", "facts.subject + 1", "-1")

@@ -23,7 +23,7 @@ exits 2. Not a test: it prints tables, side by side, from one run.
    0.8B-shaped model's plain forward with FlashQLA (deltalang's dispatchers taken out) against the
    plain forward deltalang runs.
 
-Before any of it, the kernels each family runs and what they leave out (`deltalang.info.kernel_notes`:
+Before any of it, the kernels each family runs and what they leave out (`deltalang.runtime.info.kernel_notes`:
 FLA installed but not bound, with its import error; FlashQLA). On CUDA it stops (exit 2) where FLA is
 not bound: the tables would compare the torch reference with itself.
 
@@ -46,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import qwen35_08b_shaped, tokenizer_for  # noqa: E402
 
 import deltalang  # noqa: E402
-from deltalang import backends, families, info, kernels  # noqa: E402
-from deltalang.model import wrap_model  # noqa: E402
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint  # noqa: E402
+from deltalang.models import families  # noqa: E402
+from deltalang.runtime import backends, info, kernels  # noqa: E402
+from deltalang.runtime.model import wrap_model  # noqa: E402
+from deltalang.models.testing import FAMILY_NAMES, tiny_checkpoint  # noqa: E402
 
 VALUES = ("conv_window_after", "attention_queries", "attention_keys", "attention_values", "decays", "betas",
           "states", "state_after", "attention_head_outputs", "state_output", "attention_output", "output")

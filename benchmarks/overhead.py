@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for  # noqa: E402
 
 import deltalang  # noqa: E402
-from deltalang.model import wrap_model  # noqa: E402
+from deltalang.runtime.model import wrap_model  # noqa: E402
 
 PROGRAM = """
 prompt clean = "{text}"

@@ -61,7 +61,7 @@ def _run_ids(model: object, ids: object) -> dict:
     import torch
 
     from deltalang import measures
-    from deltalang.values import axes
+    from deltalang.models.values import axes
 
     red = measures.Reduction(axes("states"), [("norm", None)])
     saved = {}
@@ -79,7 +79,7 @@ def main() -> None:
     import torch
 
     from common import machine, qwen35_08b_shaped, tokenizer_for
-    from deltalang.model import wrap_model
+    from deltalang.runtime.model import wrap_model
 
     torch.set_grad_enabled(False)
     hf = qwen35_08b_shaped()

@@ -22,7 +22,7 @@ import torch
 from common import median_time  # benchmarks/, beside this script
 from ssd_scan import scan_inputs
 
-from deltalang import gradients
+from deltalang.runtime import gradients
 
 
 def main() -> None:

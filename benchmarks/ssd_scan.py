@@ -25,7 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from deltalang import internals, measures, ssd, testing_ssd
+from deltalang.models import internals, testing_ssd
+from deltalang import measures
+from deltalang.runtime import ssd
 
 
 def _mixer() -> tuple[Any, Any]:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for
 
 import deltalang
-from deltalang.model import wrap_model
+from deltalang.runtime.model import wrap_model
 from deltalang.run import Experiment
 from deltalang.sweep import run_sweeps
 
@@ -63,7 +63,7 @@ def ablation(model: Any, text: str, n_tok: int, blocks: list[int], positions: li
     """The sweep zeroing each block's state after each position of `text`, measuring prob("a"): the program's
     position axis narrowed to `positions` (the language writes position axes as ranges a..b; the resolved
     program holds any list)."""
-    source = (f"prompt p = {deltalang.ast.quote(text)}\n"
+    source = (f"prompt p = {deltalang.language.ast.quote(text)}\n"
               f"sweep ablate on p over L in L[{', '.join(map(str, blocks))}], t in 0..{n_tok} {{\n"
               f"    write L.state_after(t) = zeros\n    measure prob(\"a\")\n}}\n")
     full = deltalang.compile(source, model).resolved
@@ -89,7 +89,7 @@ def small_granitemoehybrid(seed: int = 0) -> torch.nn.Module:
 
 def mamba2_case(args: argparse.Namespace) -> None:
     """The engine against the reference path on a small random granitemoehybrid (see the module doc)."""
-    from deltalang.testing import byte_tokenizer
+    from deltalang.models.testing import byte_tokenizer
 
     model = wrap_model(small_granitemoehybrid(), byte_tokenizer(), "random small granitemoehybrid")
     text = (TEXT * 4)[: args.tokens]

@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for  # noqa: E402
 
 import deltalang  # noqa: E402
-from deltalang import kernels  # noqa: E402
-from deltalang.model import wrap_model  # noqa: E402
+from deltalang.runtime import kernels  # noqa: E402
+from deltalang.runtime.model import wrap_model  # noqa: E402
 
 CASES = ("plain", "nnsight/final", "split", "read", "zeros", "token", "states", "states/loop")
 GRANITE_CASES = ("plain", "split", "read", "zeros", "states", "states/head")
@@ -119,7 +119,7 @@ def main() -> None:
     nn_plain = LanguageModel(plain_hf, tokenizer=tok)
     model = wrap_model(hf, tok, "random Qwen3.5-0.8B-shaped")
     linear = model.spec.linear_layers()
-    op = f"{deltalang.families.qwen3_5.chunk_kernel}_0"
+    op = f"{deltalang.models.families.qwen3_5.chunk_kernel}_0"
     d = model.spec.dims
     rows = []
     for n in args.lengths:
@@ -232,7 +232,7 @@ def _table(rows: list, args: argparse.Namespace, what: str) -> None:
 
 def granite(args: argparse.Namespace) -> None:
     """The Mamba-2 cases (module docstring) on `granite_shaped`, side by side with a plain copy's forward."""
-    from deltalang.measures import Reduction
+    from deltalang.ground.measures import Reduction
 
     hf, plain_hf = granite_shaped(), granite_shaped()  # the second: no deltalang hooks on it
     model = wrap_model(hf, tokenizer_for(), "random granitemoehybrid at the 0.8B scale")

@@ -20,38 +20,39 @@ import types as _types
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from .version import __version__
+from .ground.version import __version__
 
 if _TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
-    from . import families
-    from .check import check
-    from .collection import Collection
-    from .compiled import Experiment
-    from .dataset_run import DatasetResults
+    from .models import families
+    from .language.check import check
+    from .runs.collection import Collection
+    from .runs.compiled import Experiment
+    from .runs.dataset_run import DatasetResults
     from .merge import load_results
     from .sweep.attribution_dataset import DatasetAttribution
     from .sweep.dataset import DatasetSweepResults
-    from .errors import DeltaError
-    from .allocator import keep_freed_memory
-    from .kernels import route_kernels, routed
-    from .model import DeltaModel, load_model
-    from .parse import parse
-    from .results import Results
+    from .ground.errors import DeltaError
+    from .ground.allocator import keep_freed_memory
+    from .runtime.kernels import route_kernels, routed
+    from .runtime.model import DeltaModel, load_model
+    from .language.parse import parse
+    from .runs.results import Results
     from .run import compile, run, run_sweep, sweep
-    from .spec import ModelSpec, load_spec
+    from .models.spec import ModelSpec, load_spec
 
-# public name -> the module (relative to the package) that defines it; a module's own name maps to ""
+# public name -> the module (relative to the package) that defines it, or the module it is
 _LAZY: dict[str, str] = {
-    "families": "", "DeltaError": "errors", "route_kernels": "kernels", "routed": "kernels", "check": "check",
-    "DeltaModel": "model", "load_model": "model", "parse": "parse", "Experiment": "compiled",
-    "Results": "results", "DatasetResults": "dataset_run", "DatasetSweepResults": "sweep.dataset",
+    "families": "models.families", "DeltaError": "ground.errors", "route_kernels": "runtime.kernels",
+    "routed": "runtime.kernels", "check": "language.check", "DeltaModel": "runtime.model",
+    "load_model": "runtime.model", "parse": "language.parse", "Experiment": "runs.compiled",
+    "Results": "runs.results", "DatasetResults": "runs.dataset_run", "DatasetSweepResults": "sweep.dataset",
     "DatasetAttribution": "sweep.attribution_dataset", "compile": "run", "run": "run", "run_sweep": "run", "sweep": "run",
-    "ModelSpec": "spec", "load_spec": "spec", "Collection": "collection", "load_results": "merge",
-    "keep_freed_memory": "allocator",
+    "ModelSpec": "models.spec", "load_spec": "models.spec", "Collection": "runs.collection", "load_results": "merge",
+    "keep_freed_memory": "ground.allocator", "measures": "ground.measures",
 }
 
 __all__ = ["Collection", "DatasetAttribution", "DatasetResults", "DatasetSweepResults", "DeltaError", "DeltaModel", "Experiment", "ModelSpec", "Results", "check", "compile", "families",
-           "keep_freed_memory", "load_model", "load_results", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
+           "keep_freed_memory", "load_model", "measures", "load_results", "load_spec", "parse", "route_kernels", "routed", "run", "run_sweep", "sweep", "__version__"]
 
 
 def __getattr__(name: str) -> _Any:
@@ -59,8 +60,8 @@ def __getattr__(name: str) -> _Any:
     home = _LAZY.get(name)
     if home is None:
         raise AttributeError(f"module 'deltalang' has no attribute {name!r}")
-    module = _importlib.import_module(f".{home or name}", __name__)
-    value = module if not home else getattr(module, name)
+    module = _importlib.import_module(f".{home}", __name__)
+    value = module if home.rpartition(".")[2] == name and name not in _SHADOWED else getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
@@ -80,7 +81,7 @@ def __dir__() -> list[str]:
 
 
 # public functions named like the modules they live in or beside (`run`, `check`, `parse`, `sweep`)
-_SHADOWED = frozenset(n for n in _LAZY if _LAZY[n])
+_SHADOWED = frozenset({"run", "check", "parse", "sweep"})
 
 
 class _Face(_types.ModuleType):

@@ -21,21 +21,21 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .errors import DeltaError, show_warnings_on_stderr
+from .ground.errors import DeltaError, show_warnings_on_stderr
 from .options import (check_options, claim_out, parsed_program, read_program, refuse_ignored, refuse_over_dataset,
                       refuse_shard, refuse_unused_prompt, shard_joined)
-from .version import __version__
+from .ground.version import __version__
 
 if TYPE_CHECKING:
-    from .ast import Program
-    from .compiled import Experiment
+    from .language.ast import Program
+    from .runs.compiled import Experiment
 
 DESCRIPTION = "deltalang: experiments on the recurrent memory of gated-DeltaNet blocks, compiled to nnsight."
 
 def _write_program_text(text: str) -> None:
     """Program text (`check`, `fmt`) on standard output: coloured on a terminal, plain when piped."""
     if sys.stdout.isatty():
-        from .lexer import highlight
+        from .language.lexer import highlight
 
         text = highlight(text)
     sys.stdout.write(text)
@@ -51,7 +51,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _experiment(args: argparse.Namespace) -> Experiment:
     """The program of a command compiled against its model (options already checked by `check_options`)."""
-    from .compiled import Experiment
+    from .runs.compiled import Experiment
 
     source, filename = read_program(args)
     refuse_shard(args)
@@ -64,8 +64,8 @@ def _experiment(args: argparse.Namespace) -> Experiment:
 
 def info_main(args: argparse.Namespace) -> int:
     """`deltalang info [--model M]`: the model's blocks, kernels and the values each serves."""
-    from .info import format_info
-    from .spec import load_spec
+    from .runtime.info import format_info
+    from .models.spec import load_spec
 
     spec = load_spec(args.model, trust_remote_code=getattr(args, "trust_remote_code", False))
     print(format_info(spec), end="")
@@ -76,10 +76,10 @@ def check_main(args: argparse.Namespace) -> int:
     """`deltalang check FILE | -e TEXT [--prompt P] [--model M]`: print the resolved program, or the errors."""
     import warnings
 
-    from .check import check
-    from .errors import DeltaWarning
-    from .explain import format_resolved
-    from .plan import checked_plan
+    from .language.check import check
+    from .ground.errors import DeltaWarning
+    from .compiler.explain import format_resolved
+    from .compiler.plan import checked_plan
 
     try:
         text, filename = read_program(args)
@@ -104,7 +104,7 @@ def check_main(args: argparse.Namespace) -> int:
 
 def _over_dataset(args: argparse.Namespace) -> bool:
     """Whether the program runs over a dataset (a syntax error is left to the command's own path)."""
-    from .resolve import uses_dataset
+    from .language.resolve import uses_dataset
 
     try:
         parsed = parsed_program(args)
@@ -115,13 +115,13 @@ def _over_dataset(args: argparse.Namespace) -> bool:
 
 def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     """`deltalang check` of a program over a dataset: its first record's plain program, and which records resolve."""
-    from . import ast
-    from .dataset_generate import check_note
-    from .dataset_run import load_datasets
-    from .explain import format_resolved
-    from .measures import refuse_per_token
-    from .resolve import resolve_records
-    from .spec import load_spec
+    from .language import ast
+    from .runs.dataset_generate import check_note
+    from .runs.dataset_run import load_datasets
+    from .compiler.explain import format_resolved
+    from .ground.measures import refuse_per_token
+    from .language.resolve import resolve_records
+    from .models.spec import load_spec
 
     program = parsed_program(args).complete()
     refuse_over_dataset(args, program)  # --prompt; --align/--by without a sweep
@@ -149,7 +149,7 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
 
 def fmt_main(args: argparse.Namespace) -> int:
     """`deltalang fmt FILE [-w]`: print the program in canonical form, or rewrite the file."""
-    from .ast import format_program
+    from .language.ast import format_program
 
     try:
         text, filename = read_program(args)
@@ -177,10 +177,10 @@ def emit_main(args: argparse.Namespace) -> int:
     """`deltalang emit FILE [--plan]`: the nnsight code a program compiles to, or its plan."""
     source, filename = read_program(args)
     if _over_dataset(args):  # a generate over a dataset: its largest group of records' forwards
-        from .ast import ModelDecl
-        from .dataset_generate import describe
-        from .dataset_run import load_datasets, merge
-        from .spec import load_spec
+        from .language.ast import ModelDecl
+        from .runs.dataset_generate import describe
+        from .runs.dataset_run import load_datasets, merge
+        from .models.spec import load_spec
 
         program = parsed_program(args).complete()
         model = args.model or next((i.name for i in program.items if isinstance(i, ModelDecl)), None)
@@ -221,9 +221,9 @@ def run_main(args: argparse.Namespace) -> int:
 
 def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     """`deltalang run FILE [--out DIR] [--strict]` of a program over a dataset: per-measure statistics."""
-    from . import ast
-    from .compiled import model_for
-    from .dataset_run import FILES, load_datasets, run_dataset
+    from .language import ast
+    from .runs.compiled import model_for
+    from .runs.dataset_run import FILES, load_datasets, run_dataset
 
     program = parsed_program(args).complete()
     refuse_over_dataset(args, program)  # --prompt; --align without a sweep
@@ -245,7 +245,7 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
 def _closing(args: argparse.Namespace, t0: float, files: str, estimated: bool = False) -> int:
     """A run or sweep over a dataset's last lines: its time, where it wrote `files` (a generate's, a collection's own;
     `shards.wrote`: a shard's part, how many are done, how to merge; `estimated`: a sharded refine's phase 1)."""
-    from .shards import wrote
+    from .runs.shards import wrote
 
     print(f"({time.perf_counter() - t0:.1f} s incl. model load)", file=sys.stderr)
     if args.out is not None:
@@ -406,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _own_process() -> None:
     """A command owns its process: its output the program's (`quiet`), freed memory kept for reuse (`allocator`)."""
-    from .allocator import keep_freed_memory
-    from .quiet import quiet_transformers
+    from .ground.allocator import keep_freed_memory
+    from .ground.quiet import quiet_transformers
 
     quiet_transformers()
     keep_freed_memory()

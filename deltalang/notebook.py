@@ -20,10 +20,10 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
-from .errors import DeltaError, DeltaWarning
+from .ground.errors import DeltaError, DeltaWarning
 
 if TYPE_CHECKING:
-    from .ast import Program
+    from .language.ast import Program
 
 CELL = "<cell>"  # the program's file name in messages
 
@@ -41,7 +41,7 @@ class CellError(Exception):
 
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext deltalang`: register the `%%deltalang` cell magic, and quiet transformers as the command line does."""
-    from .quiet import quiet_transformers
+    from .ground.quiet import quiet_transformers
 
     quiet_transformers()
     # tqdm's notebook bars need ipywidgets; without them it warns once on import (transformers imports it)
@@ -103,7 +103,7 @@ def parse_line(line: str) -> argparse.Namespace | None:
 def run_cell(line: str, cell: str, namespace: dict[str, Any]) -> Any:
     """Run one `%%deltalang` cell (the module's contract); returns its value, or raises CellError."""
     from .cli import _first_line, _out_of_memory
-    from .quiet import quiet_transformers
+    from .ground.quiet import quiet_transformers
 
     args: argparse.Namespace | None = None
     try:
@@ -148,7 +148,7 @@ def _show_delta_warnings() -> None:
 
 def _model(args: argparse.Namespace, namespace: dict[str, Any]) -> Any:
     """`--model`: a notebook variable holding a DeltaModel, else the path or hub id as given (None: bundled)."""
-    from .model import DeltaModel
+    from .runtime.model import DeltaModel
 
     name = args.model
     if name is not None and name.isidentifier() and isinstance(namespace.get(name), DeltaModel):
@@ -158,12 +158,12 @@ def _model(args: argparse.Namespace, namespace: dict[str, Any]) -> Any:
 
 def _run(args: argparse.Namespace, cell: str, namespace: dict[str, Any]) -> Any:
     """The cell as `deltalang run` / `sweep` runs it: DatasetResults, a SweepOutcome, or Results."""
-    from . import ast
+    from .language import ast
     from .cli import check_options
-    from .compiled import Experiment, model_for
-    from .dataset_run import load_datasets, run_dataset
-    from .parse import parse_partial
-    from .resolve import uses_dataset
+    from .runs.compiled import Experiment, model_for
+    from .runs.dataset_run import load_datasets, run_dataset
+    from .language.parse import parse_partial
+    from .language.resolve import uses_dataset
 
     check_options(args)
     model = _model(args, namespace)

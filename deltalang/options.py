@@ -10,7 +10,7 @@ beside another program's). `refuse_unused_prompt` (a `--prompt` no statement use
 `--prompt` where the program would ignore them) and `refuse_ignored` (an exact sweep's options under attribution; a
 `--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
 `launch_defaults(args)`: under `torchrun` or `accelerate launch`, `--shard` from RANK/WORLD_SIZE and `--device`
-from LOCAL_RANK where not given (`deltalang.shards`). `shard_joined(argv)`: `--shard -1/2` as `--shard=-1/2`, so
+from LOCAL_RANK where not given (`deltalang.runs.shards`). `shard_joined(argv)`: `--shard -1/2` as `--shard=-1/2`, so
 that a negative shard is deltalang's one line, not argparse's usage. Imports are lazy, so `deltalang --help` loads nothing.
 """
 
@@ -22,11 +22,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import DeltaError
+from .ground.errors import DeltaError
 
 if TYPE_CHECKING:
-    from .ast import Program
-    from .parse import Partial
+    from .language.ast import Program
+    from .language.parse import Partial
 
 # what `--device` may name; availability is asked of torch
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
@@ -44,7 +44,7 @@ def parsed_program(args: argparse.Namespace) -> Partial:
     """The program of `read_program` parsed once per command (`parse.parse_partial`, kept on `args.parsed`) and
     passed on: its statements' errors are reported where it is checked, beside the resolver's errors of the rest
     (`check`); a text that does not parse at all raises its error here, at every call."""
-    from .parse import parse_partial
+    from .language.parse import parse_partial
 
     parsed = getattr(args, "parsed", None)
     if parsed is None:
@@ -112,7 +112,7 @@ def launch_defaults(args: argparse.Namespace) -> None:
     process a launcher started on a machine with CUDA, else cpu."""
     if not hasattr(args, "device"):
         return
-    from .shards import from_env, launch_device, shard_of
+    from .runs.shards import from_env, launch_device, shard_of
 
     if hasattr(args, "shard"):
         args.shard = shard_of(args.shard) if args.shard is not None else from_env()
@@ -146,7 +146,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise DeltaError(f"--refine-from {refine_from} refines the parts its shards saved there: drop --out "
                          f"{args.out}")
     if getattr(args, "out", None) is not None:
-        from .results import check_out_dir
+        from .runs.results import check_out_dir
 
         check_out_dir(args.out)
     elif getattr(args, "resume", False) or getattr(args, "replace", False):
@@ -162,13 +162,13 @@ def claim_out(args: argparse.Namespace) -> Any:
     """The `--out` directory claimed for this program (`results.claim_out_dir`), or None without --out."""
     if getattr(args, "out", None) is None:
         return None
-    from .results import claim_out_dir
+    from .runs.results import claim_out_dir
 
-    shard = getattr(args, "shard", None)  # shard K of N writes DIR/shard-K-of-N only (`deltalang.shards`)
+    shard = getattr(args, "shard", None)  # shard K of N writes DIR/shard-K-of-N only (`deltalang.runs.shards`)
     out = args.out if shard is None else f"{args.out}/{shard.name}"
     resume = args.resume
     if shard is not None:  # a resume of a part that never started is its start (`shards.resumes`)
-        from .shards import resumes
+        from .runs.shards import resumes
 
         resume = resumes(Path(out), resume)
     return claim_out_dir(out, read_program(args)[0], resume=resume, replace=args.replace)
@@ -193,7 +193,7 @@ def refuse_over_dataset(args: argparse.Namespace, program: Program) -> None:
         raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
     if getattr(args, "align", None) is None and getattr(args, "by", None) is None:
         return
-    from . import ast
+    from .language import ast
 
     if not any(isinstance(i, ast.Sweep) for i in program.items):
         refuse_align(args, "runs over a dataset without a sweep")

@@ -3,10 +3,10 @@
     results = deltalang.run('read L0.states', model=model, prompt="The Eiffel Tower is in the city of")
     results["main.L0.states"].shape
 
-`compile()` returns an `Experiment` (`deltalang.compiled`) whose `run()` gives
-`Results` (`deltalang.results`); a program with sweeps runs through the sweep
+`compile()` returns an `Experiment` (`deltalang.runs.compiled`) whose `run()` gives
+`Results` (`deltalang.runs.results`); a program with sweeps runs through the sweep
 engine (`deltalang.sweep.run_sweeps`), and a program over a dataset (a `dataset`
-line, a record's field, or `data=`) through `deltalang.dataset_run`, giving
+line, a record's field, or `data=`) through `deltalang.runs.dataset_run`, giving
 `DatasetResults`: the dispatches this layer adds.
 
 Remote execution (nnsight's NDIF) is refused: `compile(..., remote=...)` and
@@ -18,16 +18,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import ast
-from .compiled import Experiment, model_for
-from .dataset_run import DatasetResults, run_dataset
-from .errors import DeltaError
-from .parse import Partial, parse_partial
-from .resolve import uses_dataset
-from .results import Results
+from .language import ast
+from .runs.compiled import Experiment, model_for
+from .runs.dataset_run import DatasetResults, run_dataset
+from .ground.errors import DeltaError
+from .language.parse import Partial, parse_partial
+from .language.resolve import uses_dataset
+from .runs.results import Results
 from .sweep import run_sweep, run_sweeps, sweep
 from .sweep.attribution_dataset import DatasetAttribution
-from .shards import from_env, shard_of
+from .runs.shards import from_env, shard_of
 from .sweep.dataset import DatasetSweepResults, run_dataset_sweep
 
 __all__ = ["REMOTE_REFUSAL", "Experiment", "Results", "compile", "run", "run_sweep", "sweep"]
@@ -70,7 +70,7 @@ def run(source: str, model: Any = None, *, filename: str = "<program>", prompt: 
     there (as `--out`/`--resume`);
     `normalise` ({"clean": RUN, "corrupted": RUN} or "clean=A,corrupted=B") applies to dataset sweeps.
     `shard` ((K, N) or "K/N"; default: RANK/WORLD_SIZE under torchrun or accelerate launch): run shard K of N of
-    the dataset's records, saved in `out/shard-K-of-N` (`deltalang.shards`; `load_results(out)` merges the parts).
+    the dataset's records, saved in `out/shard-K-of-N` (`deltalang.runs.shards`; `load_results(out)` merges the parts).
     `align` (a sweep over a dataset: "facts.subject", "facts.subject[0]" or "-1", the default): what a per-token
     measure's positions are counted from (`deltalang.sweep.aligned`), as `--align`. `refine_from` (with `shard`):
     the second phase of an attribution with refine split across shards, as `--refine-from` (docs/shards.md).

@@ -91,7 +91,7 @@ import sys
 
 from packaging.version import Version
 
-from deltalang import compat
+from deltalang.ground import compat
 
 torch_any, torch_cpu, core, fla_result = sys.argv[1:]
 ranges = dict(compat.SUPPORTED)

@@ -1,14 +1,14 @@
-"""Train the bundled tiny hybrid (deltalang/bundled/model/) from scratch, deterministically.
+"""Train the bundled tiny hybrid (deltalang/models/bundled/model/) from scratch, deterministically.
 
     python scripts/train_bundled.py            # trains, evaluates, saves, writes training_report.json
     python scripts/train_bundled.py --out DIR  # somewhere else
-    python scripts/train_bundled.py --family granitemoehybrid   # the Mamba-2 hybrid (deltalang/bundled/mamba2_model/)
+    python scripts/train_bundled.py --family granitemoehybrid   # the Mamba-2 hybrid (deltalang/models/bundled/mamba2_model/)
 
 A `Qwen3_5ForCausalLM` with 8 blocks laid out L L L A L L L A, as the real
 Qwen3.5 checkpoints are (three gated-DeltaNet blocks, then attention; block 0 is
 a DeltaNet block, as every example in DESIGN assumes), width-4 convolution,
 hidden 128, attention without rotary position (partial_rotary_factor 0), trained
-on the synthetic world of `deltalang.bundled.world` with a word-level tokenizer
+on the synthetic world of `deltalang.models.bundled.world` with a word-level tokenizer
 built here. Without rotary position the attention blocks cannot pick the subject
 out of their key/value cache by where it sits, so the DeltaNet memory (state and
 convolution window) is what carries it to the answer (FINDINGS measured this
@@ -70,8 +70,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deltalang.bundled import MAMBA2_PATH, PATH, world  # noqa: E402
-from deltalang.bundled import measure  # noqa: E402
+from deltalang.models.bundled import MAMBA2_PATH, PATH, world  # noqa: E402
+from deltalang.models.bundled import measure  # noqa: E402
 
 SEED = 1234
 THREADS = 2

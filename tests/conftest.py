@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random-weight checkpoints of every family, built once per session.
 
 `tiny_models` maps each family name to a checkpoint directory (config,
-safetensors, byte-level tokenizer) written by `deltalang.testing.build_tiny`;
+safetensors, byte-level tokenizer) written by `deltalang.models.testing.build_tiny`;
 `tiny_spec(family)` gives that checkpoint's `ModelSpec` (config and tokenizer
 only), cached. `tiny_path(family)` gives the directory. `ref` is plain transformers on the
 bundled model (`reference.Reference`), the truth the bundled-model tests compare with. Building all five takes a
@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 
 import pytest  # noqa: E402
 
-from deltalang.spec import ModelSpec, load_spec
-from deltalang.testing import FAMILY_NAMES, build_tiny  # noqa: E402
+from deltalang.models.spec import ModelSpec, load_spec
+from deltalang.models.testing import FAMILY_NAMES, build_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +76,6 @@ def ref() -> Any:
     from reference import Reference
     from transformers import AutoModelForCausalLM
 
-    from deltalang.bundled import PATH
+    from deltalang.models.bundled import PATH
 
     return Reference(AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32))

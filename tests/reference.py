@@ -22,7 +22,7 @@ head, where deltalang shows them per value head); `state_after(t)` replaces the 
 (the cache then carries it on) and token t's own output reads the written state;
 `conv_window_after(t)` replaces the cache's window after token t; `attention_output`
 replaces the mixer's output. The kernels called are the functions transformers'
-modeling module held at import (`deltalang.kernels.original`: the names
+modeling module held at import (`deltalang.runtime.kernels.original`: the names
 deltalang rebinds are put back around each run), so only the patching of the
 values above is done here, by hand.
 
@@ -52,9 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deltalang import families, internals, kernels, testing_ssd
-from deltalang.internals import cache_kwargs, output_cache
-from deltalang.model import decoder, decoder_layers
+from deltalang.models import families, internals, testing_ssd
+from deltalang.runtime import kernels
+from deltalang.models.internals import cache_kwargs, output_cache
+from deltalang.runtime.model import decoder, decoder_layers
 
 PER_TOKEN_INPUTS = ("attention_queries", "attention_keys", "attention_values", "decays", "betas")
 Fn = Callable[[Any, int], Any]  # (current value, token index within the step) -> new value

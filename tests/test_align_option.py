@@ -17,8 +17,8 @@ from reference import Reference, Write, zeros
 
 import deltalang
 from deltalang.cli import main
-from deltalang.errors import DeltaError
-from deltalang.testing import load_hf
+from deltalang.ground.errors import DeltaError
+from deltalang.models.testing import load_hf
 
 RECORDS = [
     {"prompt": "The Eiffel Tower is in the city of", "subject": "Eiffel Tower"},
@@ -49,7 +49,7 @@ def _subject_last(model: Any, r: dict[str, str]) -> int:
 
 
 def test_run_passes_align_to_the_dataset_sweep(tmp_path: Path) -> None:
-    from deltalang.bundled import PATH
+    from deltalang.models.bundled import PATH
 
     model = deltalang.load_model()
     prog = _write(tmp_path, SWEEP)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from deltalang import allocator, cli
+from deltalang.ground import allocator
+from deltalang import cli
 
 GLIBC = platform.system() == "Linux" and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (glibc's defaults adapt slowly over the first ones; kept, the heap has grown by then)
 FAULTS = """
 import resource, sys, torch
-from deltalang import allocator
+from deltalang.ground import allocator
 kept = allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -56,7 +57,7 @@ def test_freed_tensors_pages_are_reused_once_kept() -> None:
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt: Linux with glibc only")
 def test_the_users_own_malloc_settings_are_left_alone() -> None:
-    code = "from deltalang import allocator; print(allocator.keep_freed_memory())"
+    code = "from deltalang.ground import allocator; print(allocator.keep_freed_memory())"
     assert _run(code) == ["True"]
     assert _run(code, env={"MALLOC_TRIM_THRESHOLD_": "131072"}) == ["False"]
     assert _run(code, env={"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}) == ["False"]

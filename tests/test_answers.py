@@ -17,8 +17,8 @@ from reference import Reference, Write, set_to
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.errors import DeltaError
-from deltalang.testing import tiny_checkpoint
+from deltalang.ground.errors import DeltaError
+from deltalang.models.testing import tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"
 DONOR = "A big cat sat on the mat"

@@ -2,7 +2,7 @@
 
 Ground truth is plain transformers (`tests/reference.py`): its cache holds the true state and
 convolution window after any prefix, and a write there is the exact patch. The gradients of
-`deltalang.gradients` (the adjoint scan over the delta rule, the window's taps) must match central
+`deltalang.runtime.gradients` (the adjoint scan over the delta rule, the window's taps) must match central
 finite differences of patches made that way, for every family (Kimi's decay per key channel,
 OLMo-Hybrid's betas in (0, 2)); `run_sweep(method="attribution")` estimates must match exact
 small patches (where first order is exact to O(h^2)); its refined cells must equal the exact
@@ -22,14 +22,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang import families, gradients
-from deltalang.ast import format_program
-from deltalang.model import decoder_layers
+from deltalang.models import families
+from deltalang.runtime import gradients
+from deltalang.language.ast import format_program
+from deltalang.runtime.model import decoder_layers
 from deltalang.sweep import DeltaSweepError, attribution, paths
 from deltalang.sweep.attribution import path_start, target_of
 from deltalang.sweep.job import measure_label
 from deltalang.sweep.recompute import capture_clean, prefix_reads
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import Reference, Write, set_to  # noqa: E402

@@ -19,7 +19,7 @@ from reference import Record, Reference, Write, set_to
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 LONG = "The Eiffel Tower is in Paris"
 MID = "Tea time"  # MID and SAME have one length

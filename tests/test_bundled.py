@@ -1,4 +1,4 @@
-"""The shipped bundled model (deltalang/bundled/model/): it loads like any checkpoint, knows its facts,
+"""The shipped bundled model (deltalang/models/bundled/model/): it loads like any checkpoint, knows its facts,
 and its answers depend on its DeltaNet memory. No training here: these read the shipped weights."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-import deltalang.bundled
-from deltalang.bundled import measure, world
+import deltalang.models.bundled
+from deltalang.models.bundled import measure, world
 from test_examples import printed_unit
 
-PATH = deltalang.bundled.PATH
+PATH = deltalang.models.bundled.PATH
 pytestmark = pytest.mark.skipif(not (PATH / "model.safetensors").exists(), reason="bundled model not built")
 
 

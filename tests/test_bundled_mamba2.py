@@ -1,4 +1,4 @@
-"""The second bundled model (deltalang/bundled/mamba2_model/, a granitemoehybrid Mamba-2 hybrid trained on the
+"""The second bundled model (deltalang/models/bundled/mamba2_model/, a granitemoehybrid Mamba-2 hybrid trained on the
 bundled world): it loads by its name, deltalang serves its Mamba-2 blocks, it knows its landmark facts, a
 write of its memory through deltalang equals the same write through transformers' cache, and
 examples/causal_trace_mamba2.dl runs both grids. No training here: these read the shipped weights."""
@@ -14,9 +14,9 @@ import torch
 from reference import cache_after, states_written
 
 import deltalang
-from deltalang.bundled import MAMBA2_NAME, MAMBA2_PATH, MODELS, NAME, measure, world
+from deltalang.models.bundled import MAMBA2_NAME, MAMBA2_PATH, MODELS, NAME, measure, world
 from deltalang.cli import main
-from deltalang.testing_ssd import ssd_mixers
+from deltalang.models.testing_ssd import ssd_mixers
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = [json.loads(line) for line in (ROOT / "examples" / "data" / "landmarks.jsonl").read_text().splitlines()]
@@ -37,7 +37,7 @@ def _report() -> dict:
 
 
 def test_two_bundled_models_by_name() -> None:
-    assert MODELS == {NAME: deltalang.bundled.PATH, MAMBA2_NAME: MAMBA2_PATH} and NAME != MAMBA2_NAME
+    assert MODELS == {NAME: deltalang.models.bundled.PATH, MAMBA2_NAME: MAMBA2_PATH} and NAME != MAMBA2_NAME
 
 
 def test_loads_by_its_name_and_its_ssm_blocks_are_served(model: deltalang.DeltaModel) -> None:
@@ -73,8 +73,8 @@ def test_info_lists_its_mamba2_blocks(capsys: pytest.CaptureFixture[str]) -> Non
 def test_a_collection_names_a_mamba2_states_axes(tmp_path: Path, model: deltalang.DeltaModel) -> None:
     """A run over a dataset that reads a Mamba-2 state collects transformers' cached state after the subject
     (`[heads, head_dim, d_state]` per record) and its manifest names the axes so."""
-    from deltalang.dataset_run import run_dataset
-    from deltalang.testing import load_hf
+    from deltalang.runs.dataset_run import run_dataset
+    from deltalang.models.testing import load_hf
 
     rec = RECORDS[0]
     (tmp_path / "facts.jsonl").write_text(json.dumps(rec) + "\n", encoding="utf-8")
@@ -95,7 +95,7 @@ def test_a_collection_names_a_mamba2_states_axes(tmp_path: Path, model: deltalan
 
 def test_a_missing_bundled_model_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(MODELS, MAMBA2_NAME, tmp_path / "absent")
-    with pytest.raises(deltalang.errors.DeltaModelError, match="bundled model .* is missing from"):
+    with pytest.raises(deltalang.ground.errors.DeltaModelError, match="bundled model .* is missing from"):
         deltalang.load_model(MAMBA2_NAME)
 
 

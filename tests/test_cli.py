@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 
 import deltalang
 from deltalang.cli import main
-from deltalang.errors import DeltaError
+from deltalang.ground.errors import DeltaError
 
-run_module = importlib.import_module("deltalang.compiled")
+run_module = importlib.import_module("deltalang.runs.compiled")
 
 EIFFEL = "The Eiffel Tower is in the city of"
 OK = f'prompt p = "{EIFFEL}"\ntrace t on p {{\n    measure prob(" Paris")\n}}\n'
@@ -179,7 +179,7 @@ def _bug(*a: Any, **k: Any) -> Any:
 
 
 def test_internal_error_in_a_run_is_reported_as_a_bug(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(deltalang.measures, "prob", _bug)
+    monkeypatch.setattr(deltalang.ground.measures, "prob", _bug)
     rc, out, err = cli("run", files["ok.dl"])
     assert rc == 2
     assert one_error_line(err) == ("error: internal error in deltalang (a bug, please report it): "
@@ -195,13 +195,13 @@ def test_running_out_of_memory_is_not_called_a_bug(files: dict[str, Path], monke
     def oom(*a: Any, **k: Any) -> Any:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(deltalang.measures, "prob", oom)
+    monkeypatch.setattr(deltalang.ground.measures, "prob", oom)
     rc, _, err = cli("run", files["ok.dl"])
     assert rc == 1 and one_error_line(err) == "error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"
 
 
 def test_internal_error_in_any_command_is_reported_as_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importlib.import_module("deltalang.explain"), "format_resolved", _bug)
+    monkeypatch.setattr(importlib.import_module("deltalang.compiler.explain"), "format_resolved", _bug)
     rc, _, err = cli("check", "-e", "read L0.states", "--prompt", EIFFEL)
     assert rc == 2 and "internal error in deltalang" in one_error_line(err)
 

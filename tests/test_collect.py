@@ -1,7 +1,7 @@
 """Collections (`read` in a trace over a dataset) against transformers' cache, and reading any saved run back.
 
 Ground truth: the recurrent state in plain transformers' cache after a record's first t+1 tokens
-(`deltalang.testing.load_hf` of the bundled checkpoint); the subject's last token is found from the
+(`deltalang.models.testing.load_hf` of the bundled checkpoint); the subject's last token is found from the
 tokenizer's own offsets, not from deltalang. Records of different lengths share left-padded
 forwards; every record's values must still be its own.
 """
@@ -20,13 +20,13 @@ import pytest
 import torch
 
 import deltalang
-import deltalang.bundled
-from deltalang import collect
+import deltalang.models.bundled
+from deltalang.runs import collect
 from deltalang.cli import main
-from deltalang.internals import output_cache
-from deltalang.dataset_run import run_dataset
-from deltalang.errors import DeltaError
-from deltalang.testing import load_hf
+from deltalang.models.internals import output_cache
+from deltalang.runs.dataset_run import run_dataset
+from deltalang.ground.errors import DeltaError
+from deltalang.models.testing import load_hf
 
 RECORDS = [
     {"prompt": "The Eiffel Tower is in the city of", "subject": "Eiffel Tower", "answer": " Paris"},
@@ -55,7 +55,7 @@ def model() -> deltalang.DeltaModel:
 
 @pytest.fixture(scope="module")
 def hf() -> Any:
-    return load_hf(deltalang.bundled.PATH, dtype=torch.float32).eval()
+    return load_hf(deltalang.models.bundled.PATH, dtype=torch.float32).eval()
 
 
 def _program(tmp: Path, records: list[dict[str, str]] = RECORDS) -> tuple[str, str]:
@@ -268,8 +268,8 @@ def test_the_probe_notebook_runs_and_prints_its_accuracies() -> None:
 
 
 REDUCED = {  # a reduced read of one shape in every record, on a delta-rule and a Mamba-2 model: (model, kind, axes)
-    "gated_deltanet": (deltalang.bundled.NAME, "linear", ("key_dim", "value_dim"), ["heads"]),
-    "mamba2": (deltalang.bundled.MAMBA2_NAME, "ssm", ("head_dim", "d_state"), ["heads"]),
+    "gated_deltanet": (deltalang.models.bundled.NAME, "linear", ("key_dim", "value_dim"), ["heads"]),
+    "mamba2": (deltalang.models.bundled.MAMBA2_NAME, "ssm", ("head_dim", "d_state"), ["heads"]),
 }
 
 
@@ -280,11 +280,11 @@ def test_a_reduced_read_of_one_shape_is_stacked_with_its_axes(tmp_path: Path, fa
     record's value is the reduction of transformers' cached states (after each prefix)."""
     from safetensors import safe_open
 
-    from deltalang.testing_ssd import ssd_mixers
+    from deltalang.models.testing_ssd import ssd_mixers
 
     name, kind, pair, left = REDUCED[family]
     model = deltalang.load_model(name)
-    hf = load_hf(deltalang.bundled.MODELS[name], dtype=torch.float32).eval()
+    hf = load_hf(deltalang.models.bundled.MODELS[name], dtype=torch.float32).eval()
     layers = [i for i, _ in ssd_mixers(hf)] if kind == "ssm" else model.spec.linear_layers()
     records = RECORDS[:3]
     (tmp_path / "facts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import deltalang
-from deltalang import collect, dataset_run
-from deltalang.dataset_run import run_dataset
+from deltalang.runs import collect, dataset_run
+from deltalang.runs.dataset_run import run_dataset
 
 RECORDS = [
     {"prompt": "The Eiffel Tower is in the city of", "subject": "Eiffel Tower"},
@@ -140,7 +140,7 @@ KILLED = """
 import os, signal, sys
 import torch
 import deltalang
-from deltalang.dataset_run import run_dataset
+from deltalang.runs.dataset_run import run_dataset
 torch.set_num_threads(int(sys.argv[3]))  # the test's: the same bits
 done = []
 def kill(indices):

@@ -18,11 +18,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from deltalang import cli, compat, compiled, internals
-from deltalang.compat import UnsupportedVersion
-from deltalang.internals import cache_keyword, cache_kwargs, output_cache
-from deltalang.model import decoder_layers
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang import cli
+from deltalang.ground import compat
+from deltalang.runs import compiled
+from deltalang.models import internals
+from deltalang.ground.compat import UnsupportedVersion
+from deltalang.models.internals import cache_keyword, cache_kwargs, output_cache
+from deltalang.runtime.model import decoder_layers
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The Eiffel Tower is in Paris"

@@ -27,8 +27,8 @@ from reference import Record, Reference, Write, kl, set_to, zeros
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.errors import DeltaError
-from deltalang.testing import tiny_checkpoint
+from deltalang.ground.errors import DeltaError
+from deltalang.models.testing import tiny_checkpoint
 
 HERE = Path(__file__).parent
 GOLDEN = HERE / "golden_plans"
@@ -285,7 +285,7 @@ trace td on d {{ read L0.state_after(3), L1.attention_values, L2.states, L0.outp
 
 
 def test_a_shared_forward_holds_runs_of_similar_length_up_to_a_token_budget(model: deltalang.DeltaModel) -> None:
-    from deltalang.plan import batch_stage
+    from deltalang.compiler.plan import batch_stage
     texts = ["a b c d e f g h", "a", "a b c", "a b c d e f g h i j", "a b"]
     source = "".join(f'prompt p{i} = "{t}"\ntrace t{i} on p{i} {{ read logits }}\n' for i, t in enumerate(texts))
     runs = list(deltalang.compile(source, model).plan.passes[0].runs)

@@ -1,4 +1,4 @@
-"""`generate g on facts max_new_tokens N { ... }`: a generate over a dataset (`deltalang.dataset_generate`).
+"""`generate g on facts max_new_tokens N { ... }`: a generate over a dataset (`deltalang.runs.dataset_generate`).
 
 Ground truth: each record's greedy tokens equal transformers' own `model.generate(do_sample=False)` on that
 record's prompt alone (the kernels transformers' modeling module held at import put back around the call), and
@@ -18,17 +18,19 @@ import torch
 from reference import Reference, Write, zeros
 
 import deltalang
-from deltalang import ast, families, kernels
-from deltalang.bundled import PATH as BUNDLED
+from deltalang.language import ast
+from deltalang.models import families
+from deltalang.runtime import kernels
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
-from deltalang.dataset_generate import DatasetGeneration
-from deltalang.dataset_run import run_dataset
-from deltalang.datasets import dataset_from_python
-from deltalang.errors import DeltaError
-from deltalang.parse import parse
-from deltalang.resolve import resolve_records
-from deltalang.resolve.dataset import expand
-from deltalang.testing import load_hf, tiny_checkpoint
+from deltalang.runs.dataset_generate import DatasetGeneration
+from deltalang.runs.dataset_run import run_dataset
+from deltalang.ground.datasets import dataset_from_python
+from deltalang.ground.errors import DeltaError
+from deltalang.language.parse import parse
+from deltalang.language.resolve import resolve_records
+from deltalang.language.resolve.dataset import expand
+from deltalang.models.testing import load_hf, tiny_checkpoint
 
 ROOT = Path(__file__).parents[1]
 LANDMARKS = [json.loads(x) for x in (ROOT / "examples/data/landmarks.jsonl").read_text(encoding="utf-8").splitlines()]
@@ -279,7 +281,7 @@ def test_a_sampled_generate_runs_each_record_alone_with_its_seed(setup: Any) -> 
 
 
 def test_groups_hold_one_prompt_length_and_a_bounded_number_of_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from deltalang import dataset_generate
+    from deltalang.runs import dataset_generate
 
     spec = deltalang.load_spec(None)
     records = [*LANDMARKS[:7], PIZZA]
@@ -303,7 +305,7 @@ def test_a_decode_step_takes_each_records_donor_state(setup: Any) -> None:
     field's prompt leaves after its last token (transformers' cache after that prompt) starts new token 1's step
     in every linear block, the clean prompt's cache otherwise kept (its convolution windows, its attention);
     each step's P(answer) and the tokens as transformers gives them from that cache."""
-    from deltalang.internals import cache as hf_cache
+    from deltalang.models.internals import cache as hf_cache
     from reference import hf_forward, output_cache
 
     model, hf, records = setup

@@ -17,12 +17,12 @@ import torch
 from reference import Reference, Write, set_to
 
 import deltalang
-from deltalang import ast
-from deltalang.bundled import PATH as BUNDLED
+from deltalang.language import ast
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
-from deltalang.dataset_run import stats_of
-from deltalang.errors import DeltaError
-from deltalang.parse import parse
+from deltalang.runs.dataset_run import stats_of
+from deltalang.ground.errors import DeltaError
+from deltalang.language.parse import parse
 from deltalang.sweep.dataset import run_dataset_sweep
 from deltalang.sweep.plots import slug
 
@@ -260,7 +260,7 @@ def test_the_causal_trace_example_runs_both_grids(model: deltalang.DeltaModel) -
 
 @needs_model
 def test_a_resumed_dataset_run_equals_an_uninterrupted_one(model: deltalang.DeltaModel, tmp_path: Path) -> None:
-    from deltalang.dataset_run import run_dataset
+    from deltalang.runs.dataset_run import run_dataset
 
     src = ('dataset facts = "facts.jsonl"\ntrace t on facts {\n    write L[linear].state_after(facts.subject) '
            'from facts.corrupt\n    measure logit_diff(facts.answer, facts.foil)\n}\n')

@@ -18,10 +18,10 @@ from reference import Reference, Write, zeros
 
 import deltalang
 from deltalang.cli import main
-from deltalang.dataset_run import stats_of
-from deltalang.errors import DeltaError
+from deltalang.runs.dataset_run import stats_of
+from deltalang.ground.errors import DeltaError
 from deltalang.sweep.dataset import run_dataset_sweep
-from deltalang.testing import load_hf
+from deltalang.models.testing import load_hf
 
 RECORDS = [  # three lengths, the subject at three places
     {"prompt": "The Eiffel Tower is in the city of", "subject": "Eiffel Tower"},
@@ -48,7 +48,7 @@ def model() -> deltalang.DeltaModel:
 @pytest.fixture(scope="module")
 def truth(model: deltalang.DeltaModel) -> dict[tuple[int, int], list[float]]:
     """{(record, block): the norm of L6's state after each token, the record run alone with its write}."""
-    from deltalang.bundled import PATH
+    from deltalang.models.bundled import PATH
 
     ref = Reference(load_hf(PATH))
     out = {}

@@ -10,7 +10,7 @@ import torch
 from reference import Reference
 
 import deltalang
-from deltalang.testing import load_hf, tiny_checkpoint
+from deltalang.models.testing import load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"
 

@@ -37,12 +37,12 @@ from test_cli import cli
 from test_examples import CELL_ATOL, DECIMAL, number_matches
 
 import deltalang
-from deltalang import values
-from deltalang.bundled import PATH as BUNDLED
-from deltalang.bundled import world
-from deltalang.errors import DeltaWarning
+from deltalang.models import values
+from deltalang.models.bundled import PATH as BUNDLED
+from deltalang.models.bundled import world
+from deltalang.ground.errors import DeltaWarning
 
-parse = importlib.import_module("deltalang.parse")  # `deltalang.parse` is also the function
+parse = importlib.import_module("deltalang.language.parse")  # `deltalang.parse` is also the function
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -24,14 +24,14 @@ import torch
 from reference import Reference, Write, set_to
 
 import deltalang
-from deltalang import ast
+from deltalang.language import ast
 from deltalang.cli import main
-from deltalang.datasets import dataset_from_python
-from deltalang.errors import DeltaError, DeltaWarning, RecordsWarning
-from deltalang.parse import parse
-from deltalang.resolve import resolve_records
-from deltalang.spec import load_spec
-from deltalang.testing import load_hf, tiny_checkpoint
+from deltalang.ground.datasets import dataset_from_python
+from deltalang.ground.errors import DeltaError, DeltaWarning, RecordsWarning
+from deltalang.language.parse import parse
+from deltalang.language.resolve import resolve_records
+from deltalang.models.spec import load_spec
+from deltalang.models.testing import load_hf, tiny_checkpoint
 
 MOVED = {"prompt": "The Eiffel Tower is in", "corrupt": "So the Leaning Tower is in", "subject": "Eiffel Tower",
          "foil_subject": "Leaning Tower", "answer": "P", "foil": "R"}  # one more word before the subject

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import deltalang
-from deltalang.bundled import PATH as BUNDLED
+from deltalang.models.bundled import PATH as BUNDLED
 
 ROOT = Path(__file__).parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.dl"))

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import deltalang
-from deltalang import families, kernels
-from deltalang.errors import DeltaModelError
-from deltalang.model import decoder_layers
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.models import families
+from deltalang.runtime import kernels
+from deltalang.ground.errors import DeltaModelError
+from deltalang.runtime.model import decoder_layers
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"
 
@@ -47,7 +48,7 @@ def test_the_mixer_paths_and_block_outputs_are_read_from_the_code() -> None:
     """zamba2's hybrid blocks hold the mixer one level down (`mamba_decoder`, a parameter annotated with the class
     holding it); granitemoehybrid's block is annotated `-> tuple` but the model's forward takes a tensor from it
     (`hidden_states = decoder_layer(...)`): the call site decides; falcon_h1's `layer_outputs[0]` is a tuple."""
-    from deltalang.families import code
+    from deltalang.models.families import code
 
     assert families.by_name("zamba2").mixer_paths == ("mamba", "mamba_decoder.mamba")
     assert families.by_name("mamba2").mixer_paths == ("mixer",)
@@ -98,7 +99,7 @@ def test_a_mamba2_hybrid_is_not_taken_for_a_delta_rule() -> None:
     """granitemoehybrid names its Mamba-2 layers `linear_attention`: they are Mamba-2 (`ssm`) blocks, never DeltaNet."""
     from transformers import GraniteMoeHybridConfig
 
-    from deltalang.spec import spec_from_config
+    from deltalang.models.spec import spec_from_config
 
     config = GraniteMoeHybridConfig(num_hidden_layers=2, hidden_size=64, mamba_n_heads=8,
                                     layer_types=["linear_attention", "full_attention"])
@@ -148,7 +149,7 @@ def _register(new: str, new_cls: str, text: bool) -> tuple[type, type]:
 
 
 def test_a_family_never_seen_but_built_on_the_same_kernels_works_unchanged(tmp_path: Path) -> None:
-    from deltalang.testing import _enlarge_random_weights, byte_tokenizer, tiny_config
+    from deltalang.models.testing import _enlarge_random_weights, byte_tokenizer, tiny_config
 
     new_cls = _copy_family(tmp_path, "qwen3_5", "zeta_hybrid")
     config_cls, model_cls = _register("zeta_hybrid", new_cls, text=True)
@@ -253,5 +254,5 @@ def test_a_blocks_output_is_served_with_its_own_width_or_refused_in_one_line(fam
             hf(model.tokenizer(PROMPT, return_tensors="pt").input_ids, use_cache=False)
     finally:
         hook.remove()
-    assert got.shape[-1] == model.family.stream_width(deltalang.spec.text_config(model.config))
+    assert got.shape[-1] == model.family.stream_width(deltalang.models.spec.text_config(model.config))
     torch.testing.assert_close(got, seen[0], atol=1e-5, rtol=0)

@@ -14,7 +14,7 @@ leaves a Python int, so the loop variable is wrapped as a tensor the way the int
 wraps assignments. Interpreted FLA is only right in float32, so everything here is float32.
 
 Each family's tiny checkpoint runs deltalang's reads and writes with every delta-rule call on FLA's
-kernels (`deltalang.backends.using("compiled")`; a call is counted to show FLA ran), split at the
+kernels (`deltalang.runtime.backends.using("compiled")`; a call is counted to show FLA ran), split at the
 positions asked for. Ground truth is `tests/reference.py` (a plain transformers model run token by
 token) with transformers' own torch kernels, and transformers' cache: never deltalang's output.
 """
@@ -44,10 +44,11 @@ import torch  # noqa: E402
 from reference import Reference, Write, set_to  # noqa: E402
 
 import deltalang  # noqa: E402
-from deltalang import backends, families, info, kernels  # noqa: E402
-from deltalang.model import decoder_layers  # noqa: E402
-from deltalang.spec import text_config  # noqa: E402
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint  # noqa: E402
+from deltalang.models import families  # noqa: E402
+from deltalang.runtime import backends, info, kernels  # noqa: E402
+from deltalang.runtime.model import decoder_layers  # noqa: E402
+from deltalang.models.spec import text_config  # noqa: E402
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint  # noqa: E402
 
 PROMPT = "Paris is in"  # 11 byte tokens: the interpreter is slow
 OTHER = "I like pizz"

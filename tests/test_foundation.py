@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 import deltalang
-from deltalang import cli, families
-from deltalang.errors import DeltaModelError
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang import cli
+from deltalang.models import families
+from deltalang.ground.errors import DeltaModelError
+from deltalang.models.testing import FAMILY_NAMES, tiny_checkpoint
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -63,8 +64,8 @@ def test_the_grammar_and_bundled_model_are_package_data() -> None:
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]["deltalang"]
-    assert "grammar/*.lark" in data and "bundled/model/*" in data
-    assert (Path(deltalang.__file__).parent / "grammar" / "deltalang.lark").is_file()
+    assert "language/grammar/*.lark" in data and "models/bundled/model/*" in data
+    assert (Path(deltalang.__file__).parent / "language" / "grammar" / "deltalang.lark").is_file()
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "qwen3_5"])

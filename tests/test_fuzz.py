@@ -20,10 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltalang import ast
-from deltalang.errors import DeltaError, DeltaErrors
-from deltalang.parse import KEYWORDS, parse
-from deltalang.resolve import resolve
+from deltalang.language import ast
+from deltalang.ground.errors import DeltaError, DeltaErrors
+from deltalang.language.parse import KEYWORDS, parse
+from deltalang.language.resolve import resolve
 
 HERE = Path(__file__).resolve().parent
 # FUZZ_EXAMPLES=5000 for a long, randomised run; the default is quick and the same every time
@@ -217,8 +217,8 @@ def test_every_prefix_of_the_tour(cut: int, tiny_spec: Callable[[str], Any]) -> 
 
 # ---- random WELL-FORMED programs, run on the bundled model: no internal error ---------------------
 
-from deltalang import values as _values  # noqa: E402
-from deltalang.bundled import PATH as _BUNDLED  # noqa: E402
+from deltalang.models import values as _values  # noqa: E402
+from deltalang.models.bundled import PATH as _BUNDLED  # noqa: E402
 
 _PROMPTS = ('prompt clean = "The Eiffel Tower is in the city of"\nprompt other = "My favourite food is pizza"\n'
             'prompts many = ["The Tower is in the city of", "My favourite food is pizza with"]\n')
@@ -289,7 +289,7 @@ def test_well_formed_programs_run_without_an_internal_error(family: str, bundled
     anything else is what `deltalang` prints as an internal error. On the bundled model and tiny checkpoints
     (their first and last DeltaNet blocks, and the last block)."""
     import deltalang
-    from deltalang.testing import tiny_checkpoint
+    from deltalang.models.testing import tiny_checkpoint
 
     model = bundled_model if family == "bundled" else deltalang.load_model(tiny_checkpoint(family))
     lin = model.linear_layers()

@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 
 import deltalang
-from deltalang import bundled
+from deltalang.models import bundled
 from deltalang.cli import main
 
 PROMPT = "The Eiffel Tower is in the city of"
@@ -44,7 +44,7 @@ def test_the_command_line_shows_every_step_and_the_rate(tmp_path: Path, capsys: 
 @pytest.mark.parametrize("width", [49, 60, 80, 200])
 def test_every_number_of_the_line_shows_whole_at_any_width(width: int) -> None:
     """At 80 columns rich cropped the rate column ('101.41' without 'steps/s'); narrower, it cut every column."""
-    from deltalang.html import progress_bar
+    from deltalang.ground.html import progress_bar
 
     clock = iter(i / 1000 for i in range(10_000))  # a step every millisecond: 1000.00 steps/s
     buf = io.StringIO()
@@ -85,7 +85,7 @@ def test_counted_tokens_are_transformers_own_and_the_hook_is_removed(model: Any)
 
 
 def test_a_notebook_gets_the_same_helpers_line() -> None:
-    from deltalang.html import NotebookProgress, progress_bar
+    from deltalang.ground.html import NotebookProgress, progress_bar
 
     bar, task = progress_bar(Console(force_jupyter=True), 300, "steps", "generate g")
     assert isinstance(bar, NotebookProgress)

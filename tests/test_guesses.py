@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from deltalang.bundled import NAME, PATH
-from deltalang.check import check
-from deltalang.errors import DeltaError, DeltaErrors, DeltaWarning
+from deltalang.models.bundled import NAME, PATH
+from deltalang.language.check import check
+from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaWarning
 
 pytestmark = pytest.mark.skipif(not (PATH / "config.json").exists(), reason="the bundled model is not built")
 
@@ -30,7 +30,7 @@ HEADER = f'prompt clean = "{CLEAN}"\n'
 
 @pytest.fixture(scope="module")
 def spec() -> Any:
-    from deltalang.spec import load_spec
+    from deltalang.models.spec import load_spec
 
     return load_spec(None)
 

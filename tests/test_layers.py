@@ -19,16 +19,29 @@ PACKAGE = Path(__file__).resolve().parent.parent / "deltalang"
 
 # module (dotted, relative to deltalang; a package covers its modules) -> layer
 LAYERS: dict[str, int] = {
-    "errors": 1, "values": 1, "families": 1, "measures": 1, "bundled": 1, "testing": 1, "testing_ssd": 1, "version": 1,
-    "datasets": 1, "lexer": 1, "html": 1, "display": 1, "compat": 1, "internals": 1, "quiet": 1, "shard_file": 1, "allocator": 1,
-    "spec": 2, "tokens": 2,
-    "ast": 3, "parse": 3, "ir": 3, "resolve": 3, "check": 3,
-    "plan": 4, "batches": 4, "directions": 4, "emit": 4, "explain": 4, "shown": 4,
-    "backends": 5, "deltarule": 5, "ssd": 5, "kernels": 5, "mixer": 5, "info": 5, "model": 5, "gradients": 5,
-    "results": 6, "compiled": 6,
-    "sweep": 7, "dataset_run": 7, "dataset_generate": 7, "dataset_store": 7, "collect": 7, "collection": 7, "shards": 7, "merge": 7,
+    "ground.errors": 1, "ground.measures": 1, "ground.version": 1, "ground.datasets": 1, "ground.html": 1,
+    "ground.display": 1, "ground.compat": 1, "ground.quiet": 1, "ground.allocator": 1,
+    "models.values": 1, "models.families": 1, "models.bundled": 1, "models.testing": 1, "models.testing_ssd": 1,
+    "models.internals": 1, "language.lexer": 1, "runs.shard_file": 1,
+    "models.spec": 2, "language.tokens": 2,
+    "language.ast": 3, "language.parse": 3, "language.ir": 3, "language.resolve": 3, "language.check": 3,
+    "compiler.plan": 4, "compiler.batches": 4, "compiler.directions": 4, "compiler.emit": 4, "compiler.explain": 4,
+    "compiler.shown": 4,
+    "runtime.backends": 5, "runtime.deltarule": 5, "runtime.ssd": 5, "runtime.kernels": 5, "runtime.mixer": 5,
+    "runtime.info": 5, "runtime.model": 5, "runtime.gradients": 5,
+    "runs.results": 6, "runs.compiled": 6,
+    "sweep": 7, "runs.dataset_run": 7, "runs.dataset_generate": 7, "runs.dataset_store": 7, "runs.collect": 7,
+    "runs.collection": 7, "runs.shards": 7, "merge": 7,
     "run": 8, "cli": 8, "options": 8, "notebook": 8, "__init__": 8, "__main__": 8,
+    "testing": 8, "testing_ssd": 8,  # the old paths of models.testing*, kept for users' imports
 }
+# the folders, lowest first: a module imports only from its own folder or folders before it; the package
+# root holds the entry points (and the two old paths above), above every folder
+FOLDERS = ["ground", "models", "language", "compiler", "runtime", "runs", "sweep"]
+# the language and compiler never import the value layer's runtime, nor it them (both stand on models/)
+FOLDERS_APART = ({"language", "compiler"}, {"runtime"})
+# a folder's `__init__` (its docstring, its contract) sits at its folder's lowest layer
+FOLDER_INITS = {f: min(v for k, v in LAYERS.items() if k.startswith(f + ".")) for f in FOLDERS if f not in LAYERS}
 # layers that never import each other: the language and compiler, and the value layer
 APART = ({3, 4}, {5})
 ENTRY_POINTS = {"cli", "options", "notebook", "__init__", "__main__"}
@@ -47,8 +60,23 @@ def _dotted(path: Path) -> str:
 
 
 def _layer(dotted: str) -> int | None:
+    if dotted in FOLDER_INITS:
+        return FOLDER_INITS[dotted]
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return LAYERS[".".join(parts[:n])]
+    return None
+
+
+def _folder(dotted: str) -> str:
+    """The layer folder a module lives in; "" for the package root."""
     head = dotted.split(".")[0]
-    return LAYERS.get(head)
+    return head if head in FOLDERS else ""
+
+
+def _rank(folder: str) -> int:
+    return FOLDERS.index(folder) if folder else len(FOLDERS)
 
 
 def _imports(path: Path) -> list[tuple[str, int, bool]]:
@@ -115,16 +143,40 @@ def test_imports_go_down(path: Path) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.parametrize("path", MODULES, ids=[_dotted(p) for p in MODULES])
+def test_folders_import_in_order(path: Path) -> None:
+    """A folder is a layer: its modules import their own folder's and earlier folders' modules only."""
+    me = _dotted(path)
+    mine = _folder(me)
+    wrong = []
+    for name, line, _ in _imports(path):
+        theirs = _folder(name)
+        if _layer(name) is None or theirs == mine:
+            continue
+        where = f"{path.relative_to(PACKAGE.parent)}:{line}: {me} ({mine or 'root'}) imports {name} ({theirs or 'root'})"
+        if _rank(theirs) > _rank(mine):
+            wrong.append(where + ": a later folder")
+        if any(mine in g and theirs in h for g, h in (FOLDERS_APART, FOLDERS_APART[::-1])):
+            wrong.append(where + ": the language/compiler and the runtime never import each other")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_root_holds_only_entry_points() -> None:
+    """Every module lives in a layer folder but the entry points (and the old `testing` paths)."""
+    at_root = {_dotted(p) for p in MODULES if "." not in _dotted(p)} - set(FOLDERS)
+    assert at_root <= ENTRY_POINTS | {"run", "merge", "testing", "testing_ssd"}, sorted(at_root)
+
+
 def test_the_checker_sees_imports() -> None:
     """The test reads what it claims to: known imports of known modules are found."""
     found = {name for name, _, _ in _imports(PACKAGE / "cli.py")}
-    assert "errors" in found
-    parse = {name for name, _, _ in _imports(PACKAGE / "parse.py")}
-    assert {"ast", "errors"} <= parse
+    assert "ground.errors" in found
+    parse = {name for name, _, _ in _imports(PACKAGE / "language" / "parse.py")}
+    assert {"language.ast", "ground.errors"} <= parse
 
 
 # the parser and the AST are long lists of small rules; every other module stays readable at one sitting
-LONG_MODULES = {"parse", "ast"}
+LONG_MODULES = {"language.parse", "language.ast"}
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 

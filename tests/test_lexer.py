@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from pygments.token import Error, Keyword, Name, Number, Operator, Punctuation, String, Token
 
-from deltalang import lexer, parse as _parse_fn  # noqa: F401 - the package face stays importable
-from deltalang.lexer import DeltaLangLexer, highlight
-from deltalang.parse import GRAMMAR_PATH, KERNELS, KEYWORDS, MEASURES
+from deltalang import parse as _parse_fn  # noqa: F401 - the package face stays importable
+from deltalang.language.lexer import DeltaLangLexer, highlight
+from deltalang.language.parse import GRAMMAR_PATH, KERNELS, KEYWORDS, MEASURES
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = sorted((ROOT / "examples").glob("*.dl")) + sorted((ROOT / "tests" / "golden").glob("*.dl"))
@@ -100,7 +100,7 @@ def test_pygments_finds_the_lexer_by_its_entry_point(tmp_path: Path) -> None:
             "print(type(get_lexer_by_name('deltalang')).__module__, type(get_lexer_for_filename('x.dl')).__name__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["deltalang.lexer", "DeltaLangLexer"]
+    assert proc.stdout.split() == ["deltalang.language.lexer", "DeltaLangLexer"]
 
 
 def _tm_words(node: object, scope_prefix: str) -> set[str]:

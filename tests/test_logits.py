@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import deltalang
-from deltalang import testing, testing_ssd
+from deltalang.models import testing, testing_ssd
 
 FAMILIES = testing.FAMILY_NAMES + testing_ssd.MAMBA2_FAMILY_NAMES
 PROMPT = "The Eiffel Tower is in"

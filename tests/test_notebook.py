@@ -23,8 +23,8 @@ import torch
 from nbclient import NotebookClient
 
 import deltalang
-import deltalang.bundled
-from deltalang import html
+import deltalang.models.bundled
+from deltalang.ground import html
 from deltalang.notebook import CellError, parse_line, run_cell
 from reference import Reference, Write, zeros
 
@@ -43,7 +43,7 @@ def model() -> deltalang.DeltaModel:
 def reference() -> Reference:
     from transformers import AutoModelForCausalLM
 
-    return Reference(AutoModelForCausalLM.from_pretrained(deltalang.bundled.PATH, dtype=torch.float32))
+    return Reference(AutoModelForCausalLM.from_pretrained(deltalang.models.bundled.PATH, dtype=torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_help_prints_the_options(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_an_internal_error_is_one_line_and_debug_shows_it(model: deltalang.DeltaModel,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from deltalang.compiled import Experiment
+    from deltalang.runs.compiled import Experiment
 
     def broken(self: Any, **kw: Any) -> Any:  # Experiment.run(progress=...)
         raise RuntimeError("boom\nsecond line")
@@ -243,7 +243,7 @@ def test_ipython_loads_the_extension_and_shows_errors_without_a_traceback(
 
 
 def test_results_html_has_a_row_per_result_with_the_summary_s_text() -> None:
-    from deltalang.results import Results
+    from deltalang.runs.results import Results
 
     values = {'main.prob(" Paris")': 0.25, "a b": 1.5, "s": torch.ones(1, 4, 2, 2), "per": torch.ones(1, 3)}
     r = Results(values, kinds={"per": "norm"}, token_labels={"per": ("x", "<y>", "z")})
@@ -257,8 +257,8 @@ def test_results_html_has_a_row_per_result_with_the_summary_s_text() -> None:
 
 
 def test_dataset_results_html() -> None:
-    from deltalang.dataset_run import DatasetResults, MeasureStats
-    from deltalang.datasets import Dataset, Record
+    from deltalang.runs.dataset_run import DatasetResults, MeasureStats
+    from deltalang.ground.datasets import Dataset, Record
 
     ds = Dataset("facts", "<data>", (Record(0, 1, {"q": "a"}), Record(1, 2, {"q": "<b>"})))
     out = DatasetResults(ds, (), (MeasureStats(PARIS, 0.5, 0.125, 1, 0.25, 0.75),), ((1, "no <token>"),))
@@ -276,8 +276,8 @@ def test_notebook_progress_counts_cells(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_dataset_sweep_results_html_is_its_summary_with_heatmaps() -> None:
-    from deltalang.dataset_run import MeasureStats
-    from deltalang.datasets import Dataset, Record
+    from deltalang.runs.dataset_run import MeasureStats
+    from deltalang.ground.datasets import Dataset, Record
     from deltalang.sweep.dataset import CellStats, DatasetSweepResults
 
     ds = Dataset("facts", "<data>", (Record(0, 1, {"q": "a"}), Record(1, 2, {"q": "<b>"})))

@@ -29,10 +29,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.errors import DeltaModelError
-from deltalang.model import wrap_model
+from deltalang.ground.errors import DeltaModelError
+from deltalang.runtime.model import wrap_model
 from deltalang.sweep import run_sweep
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 from reference import Reference, Write, set_to
 

@@ -10,7 +10,7 @@ same process or inside a trace.
 
 Ground truth: each sequence run alone through transformers with its own kernels, the dispatchers
 taken out of the modeling module's globals for the reference (`plain_kernels`), and transformers'
-cache after that run. Today every case of several sequences is refused (`deltalang.kernels` says why); the
+cache after that run. Today every case of several sequences is refused (`deltalang.runtime.kernels` says why); the
 checks accept an exact answer too, never a wrong one.
 """
 
@@ -24,10 +24,10 @@ import torch
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
 import deltalang
-from deltalang import kernels
-from deltalang.internals import cache_kwargs
-from deltalang.errors import DeltaError
-from deltalang.testing import FAMILY_NAMES
+from deltalang.runtime import kernels
+from deltalang.models.internals import cache_kwargs
+from deltalang.ground.errors import DeltaError
+from deltalang.models.testing import FAMILY_NAMES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,7 +99,7 @@ def _exact_or_refused(run: Any, alone: torch.Tensor) -> str:
 def test_plain_forward_on_packed_sequences_is_exact_or_refused(models: dict, tiny_path: Any, family: str,
                                                                use_cache: bool) -> None:
     """A plain forward of a model whose family deltalang has installed, as a peer in the process runs it
-    (`use_cache=True` is transformers' default). Refused here: see `deltalang.kernels`."""
+    (`use_cache=True` is transformers' default). Refused here: see `deltalang.runtime.kernels`."""
     model = _model(models, tiny_path, family)
     seqs, kw = _packed_inputs()
     alone = _alone(model, seqs)

@@ -10,12 +10,12 @@ from typing import Any, Callable
 import attrs
 import pytest
 
-from deltalang import ast
-from deltalang.check import check
-from deltalang.errors import DeltaError, DeltaErrors, DeltaSyntaxError, Span
-from deltalang.explain import format_resolved
-from deltalang.ir import Resolved
-from deltalang.parse import parse
+from deltalang.language import ast
+from deltalang.language.check import check
+from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaSyntaxError, Span
+from deltalang.compiler.explain import format_resolved
+from deltalang.language.ir import Resolved
+from deltalang.language.parse import parse
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden"
@@ -148,7 +148,7 @@ def test_design_forms(tiny_spec: Callable[[str], Any]) -> None:
     assert len(forms.measures) == 5
 
 
-BUNDLED = Path(__file__).resolve().parents[1] / "deltalang" / "bundled" / "model" / "config.json"
+BUNDLED = Path(__file__).resolve().parents[1] / "deltalang" / "models" / "bundled" / "model" / "config.json"
 
 
 # The tour sweeps `t in 0..9` over "The Eiffel Tower is in the city of", which the bundled
@@ -167,9 +167,9 @@ def _check_tour(spec: Any) -> Resolved:
         return check(DESIGN_TOUR.replace("t in 0..9", "t in 0..8"), spec)
 
 
-@pytest.mark.skipif(not BUNDLED.exists(), reason="the bundled model is not built yet (deltalang/bundled/model)")
+@pytest.mark.skipif(not BUNDLED.exists(), reason="the bundled model is not built yet (deltalang/models/bundled/model)")
 def test_design_examples_check_on_bundled_model() -> None:
-    from deltalang.spec import load_spec
+    from deltalang.models.spec import load_spec
 
     spec = load_spec(None)
     tour = _check_tour(spec)
@@ -179,9 +179,9 @@ def test_design_examples_check_on_bundled_model() -> None:
 
 def test_design_tour_on_the_bundled_word_level_tokenizer(tiny_spec: Callable[[str], Any]) -> None:
     """The bundled model's tokenizer (built in-process) on a tiny config: 'Tower' is one token."""
-    world = pytest.importorskip("deltalang.bundled.world")
+    world = pytest.importorskip("deltalang.models.bundled.world")
     if not hasattr(world, "build_tokenizer"):
-        pytest.skip("deltalang.bundled.world has no build_tokenizer()")
+        pytest.skip("deltalang.models.bundled.world has no build_tokenizer()")
     spec = attrs.evolve(tiny_spec("qwen3_5"), tokenizer=world.build_tokenizer())
     tour = _check_tour(spec)
     patched = tour.run("patched")

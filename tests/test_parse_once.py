@@ -1,6 +1,6 @@
 """One parse per run: every entry point parses the program's text once and passes the syntax tree on.
 
-Every parse of program text runs Lark's parser inside `deltalang.parse.parse_partial` (which `parse` calls), so
+Every parse of program text runs Lark's parser inside `deltalang.language.parse.parse_partial` (which `parse` calls), so
 the test counts the calls of that parser, whatever name the parse entry point was imported under: `run`,
 `compile`, `check`, `run_sweep`, the command line's `run`, `check`, `emit` and `sweep` (one prompt and over a
 dataset), a run over a dataset from Python and the notebook magic each parse exactly once, and a program with a
@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 import deltalang
-from deltalang.bundled import PATH as BUNDLED
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
-from deltalang.errors import DeltaError
+from deltalang.ground.errors import DeltaError
 from deltalang.notebook import CellError, run_cell
 
-parse_module = importlib.import_module("deltalang.parse")  # `deltalang.parse` is the function
+parse_module = importlib.import_module("deltalang.language.parse")  # `deltalang.parse` is the function
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 
 ROOT = Path(__file__).parents[1]

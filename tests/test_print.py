@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltalang.dataset_run import MeasureStats
-from deltalang.dataset_store import format_stats
-from deltalang.results import Results
+from deltalang.runs.dataset_run import MeasureStats
+from deltalang.runs.dataset_store import format_stats
+from deltalang.runs.results import Results
 
 ROOT = Path(__file__).parents[1]
 NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
@@ -46,7 +46,7 @@ def test_no_table_prints_a_negative_zero() -> None:
 
 
 def test_no_module_formats_a_table_number_with_fixed_decimals() -> None:
-    """Every table's numbers go through deltalang.display: no `:.4f`-like format outside it (times and
+    """Every table's numbers go through deltalang.ground.display: no `:.4f`-like format outside it (times and
     sizes excepted: they are not measured values)."""
     fixed = re.compile(r"\{[^{}]*:[<>^]?\d*\.\d+f\}")
     allowed = {"cli.py", "collect.py", "html.py", "driver.py"}  # seconds, bytes, cells/s
@@ -65,7 +65,7 @@ def _rendered(items: list[object], width: int) -> str:
 
 
 def test_a_title_never_wraps_inside_a_measure() -> None:
-    from deltalang.ir import SweepAxis
+    from deltalang.language.ir import SweepAxis
     from deltalang.sweep.job import ResultRow
     from deltalang.sweep.table import SweepTable, render_tables
 
@@ -116,7 +116,7 @@ def test_a_one_prompt_attribution_sweep_writes_its_heatmap_and_says_what_it_left
 def test_a_grid_cells_width_does_not_hang_on_its_last_digit() -> None:
     """1 thread printed -0.000186 where 2 printed -0.0001861 in a sweep grid (the same number within float32
     rounding), which moved the grid's columns in docs/examples.md: a cell keeps its trailing zeros."""
-    from deltalang import display
+    from deltalang.ground import display
 
     assert display.cell(-0.00018600001) == "-0.0001860" and display.cell(-0.00018606) == "-0.0001861"
     assert display.cell(1.0) == "1.000" and display.cell(-1e-12 * 0) == "0.000" and display.cell(4.18e-06) == "4.180e-06"

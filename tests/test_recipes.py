@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from deltalang.bundled import PATH as BUNDLED
-from deltalang.testing import tiny_checkpoint
+from deltalang.models.bundled import PATH as BUNDLED
+from deltalang.models.testing import tiny_checkpoint
 
 SEEDS = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
 FENCE = re.compile(r"```python\n(.*?)```", re.S)

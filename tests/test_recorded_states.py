@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import deltalang
-from deltalang import internals, testing_ssd
-from deltalang.errors import DeltaValueError
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.models import internals, testing_ssd
+from deltalang.ground.errors import DeltaValueError
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 RECORDS = hasattr(__import__("transformers").cache_utils.LinearAttentionCacheLayerMixin, "activate_past_recording")
 needs_recording = pytest.mark.skipif(not RECORDS, reason="transformers before 5.25 keeps no record of past states")

@@ -18,9 +18,11 @@ import torch
 from reference import Largest
 
 import deltalang
-from deltalang import deltarule, families, kernels, measures
-from deltalang.errors import DeltaError
-from deltalang.testing import load_hf, tiny_checkpoint
+from deltalang.runtime import deltarule, kernels
+from deltalang.models import families
+from deltalang import measures
+from deltalang.ground.errors import DeltaError
+from deltalang.models.testing import load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens
 FAMILIES = ("qwen3_5", "kimi_linear")
@@ -165,9 +167,9 @@ def test_the_streamed_reduction_never_makes_every_state(family: str, monkeypatch
 
 
 def test_check_prints_each_reduced_shape_and_emit_reduces_in_the_value_layer(tmp_path: Path) -> None:
-    from deltalang.check import check
-    from deltalang.explain import format_resolved
-    from deltalang.spec import load_spec
+    from deltalang.language.check import check
+    from deltalang.compiler.explain import format_resolved
+    from deltalang.models.spec import load_spec
 
     spec = load_spec(tiny_checkpoint("qwen3_5"))
     out = check('prompt p = "The Eiffel"\nread L0.states.norm(key_dim, value_dim) as n\n'
@@ -182,8 +184,8 @@ def test_check_prints_each_reduced_shape_and_emit_reduces_in_the_value_layer(tmp
 
 
 def test_a_direction_of_the_wrong_shape_is_a_located_error(tmp_path: Path) -> None:
-    from deltalang.check import check
-    from deltalang.spec import load_spec
+    from deltalang.language.check import check
+    from deltalang.models.spec import load_spec
 
     spec = load_spec(tiny_checkpoint("qwen3_5"))
     safetensors.torch.save_file({"d": torch.zeros(3, 5)}, str(tmp_path / "d.safetensors"))
@@ -200,7 +202,7 @@ def test_under_generate_a_decode_step_reduces_its_one_token() -> None:
     """At step k the call runs one token: its states' mean over positions is the state after that token, which
     transformers' cache holds after the prompt and the tokens generated before it (the bundled model, whose
     greedy continuation does not stop at once)."""
-    path = Path(deltalang.__file__).parent / "bundled" / "model"
+    path = Path(deltalang.__file__).parent / "models" / "bundled" / "model"
     model, hf = deltalang.load_model(None), load_hf(path).eval()
     i = model.spec.linear_layers()[1]
     prompt = "The Eiffel Tower is in the city of"
@@ -309,9 +311,9 @@ def test_projection_onto_a_difference_of_means_equals_transformers_by_hand(truth
 
 
 def test_check_prints_a_mean_direction_shape_and_a_wrong_one_is_located(tmp_path: Path) -> None:
-    from deltalang.check import check
-    from deltalang.explain import format_resolved
-    from deltalang.spec import load_spec
+    from deltalang.language.check import check
+    from deltalang.compiler.explain import format_resolved
+    from deltalang.models.spec import load_spec
 
     spec = load_spec(tiny_checkpoint("qwen3_5"))
     head = 'prompt main = "The Eiffel"\nprompts a = ["Good day", "Fine"]\nprompt b = "Bad night"\n'

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 import deltalang
-from deltalang import ast, families, kernels
-from deltalang.bundled import PATH as BUNDLED
-from deltalang.bundled import world
-from deltalang.errors import DeltaError
-from deltalang.parse import parse
+from deltalang.language import ast
+from deltalang.models import families
+from deltalang.runtime import kernels
+from deltalang.models.bundled import PATH as BUNDLED
+from deltalang.models.bundled import world
+from deltalang.ground.errors import DeltaError
+from deltalang.language.parse import parse
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 

@@ -1,4 +1,4 @@
-"""deltalang.shard_file: the safetensors files a collection writes from its tensors in place, read back by
+"""deltalang.runs.shard_file: the safetensors files a collection writes from its tensors in place, read back by
 safetensors itself, and the writer thread's order and failures."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from deltalang import shard_file
+from deltalang.runs import shard_file
 
 
 def test_a_file_written_from_pieces_is_what_safetensors_saves_of_them_stacked(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Runs over a dataset split across processes (`--shard`, torchrun) and merged, against the one-process run.
 
-The split (`deltalang.shards.split`) is checked against its definition (each unit, the most tokens first,
+The split (`deltalang.runs.shards.split`) is checked against its definition (each unit, the most tokens first,
 to the shard with the fewest tokens so far). A dataset run, a collection and a generate over 72 records
 (records share forwards in groups of up to 32), a dataset sweep and an attribution with refine (two phases)
 run as 2 and 3 processes under `torchrun --nproc_per_node` on this CPU (each process its shard from
@@ -26,12 +26,12 @@ import pytest
 import torch
 
 import deltalang
-from deltalang.bundled import PATH as BUNDLED
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
-from deltalang.collection import load_results as load_saved
-from deltalang.dataset_run import run_dataset, stats_of
-from deltalang.errors import DeltaError
-from deltalang.shards import Shard, from_env, launch_device, read_rows, shard_of, split
+from deltalang.runs.collection import load_results as load_saved
+from deltalang.runs.dataset_run import run_dataset, stats_of
+from deltalang.ground.errors import DeltaError
+from deltalang.runs.shards import Shard, from_env, launch_device, read_rows, shard_of, split
 
 ROOT = Path(__file__).parents[1]
 LANDMARKS = [json.loads(line) for line in (ROOT / "examples" / "data" / "landmarks.jsonl").read_text().splitlines()]

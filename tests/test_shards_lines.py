@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from deltalang.bundled import PATH as BUNDLED
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
-from deltalang.shards import read_rows
+from deltalang.runs.shards import read_rows
 
 ROOT = Path(__file__).parents[1]
 LANDMARKS = [json.loads(line) for line in (ROOT / "examples" / "data" / "landmarks.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from deltalang.bundled import PATH
+from deltalang.models.bundled import PATH
 
 pytestmark = pytest.mark.skipif(not (PATH / "config.json").exists(), reason="the bundled model is not built")
 
@@ -19,7 +19,7 @@ PROMPT = "The Eiffel Tower is in the city of"
 @pytest.fixture(scope="module")
 def tokens() -> list[str]:
     """Each token of PROMPT as the tokenizer decodes it alone, a space written ␣."""
-    from deltalang.spec import load_spec
+    from deltalang.models.spec import load_spec
 
     tok = load_spec(None).tokenizer
     return [tok.decode([i]).replace(" ", "␣") for i in tok(PROMPT)["input_ids"]]

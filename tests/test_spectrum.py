@@ -18,10 +18,10 @@ import torch
 from reference import cache_after, hf_forward
 
 import deltalang
-from deltalang import testing_ssd
-from deltalang.errors import DeltaError
-from deltalang.internals import output_cache
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.models import testing_ssd
+from deltalang.ground.errors import DeltaError
+from deltalang.models.internals import output_cache
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in Paris, and the Gate is in Berlin."  # 56 byte tokens
 ALL = (*FAMILY_NAMES, *testing_ssd.MAMBA2_FAMILY_NAMES)

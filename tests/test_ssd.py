@@ -1,4 +1,4 @@
-"""The Mamba-2 scan (`deltalang.ssd`) against transformers itself, on tiny checkpoints of all six families.
+"""The Mamba-2 scan (`deltalang.runtime.ssd`) against transformers itself, on tiny checkpoints of all six families.
 
 Ground truth is transformers: its own chunked scan (`mamba2_chunk_scan`, the modeling module's
 global) and its cache, whose `get_recurrent_state(i)` after running the first t + 1 tokens is the
@@ -16,7 +16,8 @@ import torch
 from reference import hf_forward as _forward
 from reference import kernel_patched
 
-from deltalang import internals, ssd, testing_ssd
+from deltalang.models import internals, testing_ssd
+from deltalang.runtime import ssd
 
 FAMILIES = testing_ssd.MAMBA2_FAMILY_NAMES
 PROMPT_LEN = 21  # crosses the tiny configs' chunk of 8 unevenly (and `per_token` is run at chunk 3 too)

@@ -22,7 +22,8 @@ import torch
 from reference import cache_after, hf_forward, kernel_global, mixer_running
 
 import deltalang
-from deltalang import families, gradients, internals, testing_ssd
+from deltalang.models import families, internals, testing_ssd
+from deltalang.runtime import gradients
 from deltalang.sweep import paths
 from deltalang.sweep.attribution import target_of
 from deltalang.sweep.job import measure_label

@@ -20,8 +20,10 @@ import torch
 from reference import Largest, cache_after, hf_forward, step_replaced
 
 import deltalang
-from deltalang import measures, ssd, testing_ssd
-from deltalang.internals import output_cache
+from deltalang import measures
+from deltalang.runtime import ssd
+from deltalang.models import testing_ssd
+from deltalang.models.internals import output_cache
 
 FAMILIES = ("bamba", "granitemoehybrid")
 PROMPT = "The Eiffel Tower is in Paris, and the Gate is in Berlin."  # 56 byte tokens: past two of ssd's chunks
@@ -92,7 +94,7 @@ def test_a_mamba2_states_axes_are_head_dim_and_d_state(name: str, monkeypatch: p
     C's, axis -1): a norm over either one is that axis of transformers' cached state, per token (streamed), after
     token t and in a measure; a norm over both (and heads) is served from the squared norms, nothing streamed.
     `key_dim` there is a located error naming the axes the value has; `check` and the summary name the axes."""
-    from deltalang.errors import DeltaError
+    from deltalang.ground.errors import DeltaError
 
     model, _, states = _truth(name)
     i, j = sorted(states)[:2]
@@ -128,7 +130,7 @@ def test_a_mamba2_states_axes_are_head_dim_and_d_state(name: str, monkeypatch: p
 
 def test_a_deltanet_states_axes_stay_key_dim_and_value_dim() -> None:
     """On a DeltaNet block a state's axes are still key_dim and value_dim: d_state is a located error there."""
-    from deltalang.errors import DeltaError
+    from deltalang.ground.errors import DeltaError
 
     spec = deltalang.load_spec()  # the bundled Qwen3.5 model
     i = spec.linear_layers()[0]

@@ -33,7 +33,7 @@ from reference import hf_forward as _forward
 from reference import kernel_patched
 
 import deltalang
-from deltalang import internals, testing, testing_ssd
+from deltalang.models import internals, testing, testing_ssd
 from deltalang.sweep import run_sweep
 
 SERVED = testing_ssd.MAMBA2_FAMILY_NAMES  # all six, zamba2 too (sweep/job.py's ENGINE_SSM_FAMILIES)

@@ -22,7 +22,7 @@ from reference import hf_forward as _forward
 from reference import kernel_patched, states_written, step_replaced
 
 import deltalang
-from deltalang import internals, testing_ssd
+from deltalang.models import internals, testing_ssd
 
 SERVED = testing_ssd.MAMBA2_FAMILY_NAMES  # all six: zamba2's hybrid blocks nest the mixer, mamba2 has no attention
 PROMPT_LEN = 13  # crosses the tiny configs' chunk of 8
@@ -242,7 +242,7 @@ def test_a_decode_steps_states_after_its_write(name: str) -> None:
 def test_ssm_and_linear_selectors_on_granitemoehybrid() -> None:
     """granitemoehybrid's config calls its Mamba-2 blocks `linear_attention`: `L[ssm]` selects them, `L[linear]`
     none (an error naming it), `L*` of a DeltaNet-only value none."""
-    from deltalang.errors import DeltaError
+    from deltalang.ground.errors import DeltaError
 
     spec = deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint("granitemoehybrid"))
     kinds = list(spec.config.layer_types)
@@ -363,7 +363,7 @@ def test_a_norm_of_states_is_the_norm_of_every_cached_state() -> None:
 
 
 def test_info_names_the_mamba2_blocks_and_what_serves_them() -> None:
-    from deltalang import info
+    from deltalang.runtime import info
 
     spec = deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint("granitemoehybrid"))
     text = info.format_info(spec)
@@ -454,7 +454,7 @@ def test_a_blocks_output_is_what_the_block_returns_or_refused_in_one_line(name: 
     """Each family's blocks return what `Family.block_output` says (transformers' own forward, hooked); `output`
     is then served on every block, equal to that tensor (granitemoehybrid's blocks are annotated `-> tuple` but
     return a tensor), or refused in one line where the block returns a tuple (bamba, falcon_h1)."""
-    from deltalang.model import decoder_layers
+    from deltalang.runtime.model import decoder_layers
 
     model, hf = _models(name)
     ids = _ids()
@@ -508,8 +508,8 @@ def test_a_write_in_every_hybrid_block_is_what_later_tokens_continue_from(name: 
 def test_check_and_explain_name_the_blocks_of_every_family(name: str) -> None:
     """`deltalang check`'s header names the Mamba-2 blocks (never "DeltaNet none"), the attention blocks and those
     with neither (nemotron_h's `mlp`); `L[attention]` selects attention blocks only, `L[ssm]` the Mamba-2 ones."""
-    from deltalang.errors import DeltaError
-    from deltalang.explain import format_resolved
+    from deltalang.ground.errors import DeltaError
+    from deltalang.compiler.explain import format_resolved
 
     spec = deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint(name))
     kinds = list(spec.config.layer_types)
@@ -553,7 +553,7 @@ def test_the_gate_is_what_the_gated_norm_receives_and_a_written_one_is_what_it_r
     """`gate` (z) against transformers' own gated norm: read on every Mamba-2 block (through a program too),
     written (doubled) on one, in a left-padded invoke beside a longer prompt; falcon_h1 (no gated norm with its
     default config: `mamba_rms_norm` false) refuses it in one line."""
-    from deltalang.errors import DeltaError
+    from deltalang.ground.errors import DeltaError
 
     model, hf = _models(name)
     layers = _ssm(hf)
@@ -619,8 +619,8 @@ def test_info_and_support_name_every_block_of_every_family(name: str) -> None:
     """`deltalang info` marks each block by what transformers' model holds there (a Mamba-2 mixer, found by
     `testing_ssd.ssd_mixers`; attention beside it in a `hybrid` block; an MLP only), and `support()` serves every
     Mamba-2 value on every Mamba-2 block (zamba2's nested mixers, mamba2's `backbone`)."""
-    from deltalang import info
-    from deltalang.model import decoder_layers
+    from deltalang.runtime import info
+    from deltalang.runtime.model import decoder_layers
 
     model, hf = _models(name)
     ssm = _ssm(hf)
@@ -647,8 +647,8 @@ def test_falcon_h1_with_its_gated_norm_serves_the_gate() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from deltalang import testing
-    from deltalang.model import wrap_model
+    from deltalang.models import testing
+    from deltalang.runtime.model import wrap_model
 
     cfg = testing_ssd.tiny_ssd_config("falcon_h1")
     cfg.mamba_rms_norm = True
@@ -676,7 +676,7 @@ def test_falcon_h1_with_its_gated_norm_serves_the_gate() -> None:
 def test_a_kind_the_model_lacks_names_the_recurrent_blocks_it_has(tiny_spec: Any) -> None:
     """`L[linear]` on a Mamba-2 model points at `L[ssm]`, and `L[ssm]` on a DeltaNet model at `L[linear]`:
     the model's recurrent blocks by their selector, with their numbers."""
-    from deltalang.errors import DeltaError
+    from deltalang.ground.errors import DeltaError
 
     for spec, text, want in (
             (deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint("granitemoehybrid")), "read L[linear].state_output",
@@ -697,8 +697,8 @@ def test_info_names_nemotron_h_moe_blocks_moe(tmp_path: Any) -> None:
     import json
     import shutil
 
-    from deltalang import info
-    from deltalang.explain import describe_model
+    from deltalang.runtime import info
+    from deltalang.compiler.explain import describe_model
 
     src = testing_ssd.tiny_ssd_checkpoint("nemotron_h")
     for f in src.iterdir():

@@ -60,13 +60,13 @@ def test_check_imports_no_nnsight() -> None:
 def test_fmt_output_is_the_formatter_s() -> None:
     proc, _ = deltalang_cmd("fmt", EXAMPLE)
     text = Path(EXAMPLE).read_text(encoding="utf-8")
-    from deltalang.ast import format_program
+    from deltalang.language.ast import format_program
 
     assert proc.stdout == format_program(deltalang.parse(text, EXAMPLE), text)
 
 
 def test_version() -> None:
-    from deltalang.version import __version__
+    from deltalang.ground.version import __version__
 
     proc, _ = deltalang_cmd("--version")
     assert proc.stdout.strip() == f"deltalang {__version__}"
@@ -101,7 +101,7 @@ def test_every_option_has_help_without_backticks() -> None:
 def test_import_deltalang_is_light_and_keeps_its_names() -> None:
     code = ("import sys, deltalang\n"
             "print(' '.join(m for m in ('torch', 'transformers', 'nnsight') if m in sys.modules) or '-')\n"
-            "import deltalang.run, deltalang.check, deltalang.parse, deltalang.sweep\n"  # the submodules...
+            "import deltalang.run, deltalang.language.check, deltalang.language.parse, deltalang.sweep\n"  # the submodules...
             "print(all(callable(getattr(deltalang, n)) and not isinstance(getattr(deltalang, n), type(sys))\n"
             "          for n in ('run', 'check', 'parse', 'sweep')))\n")  # ...never shadow the public functions
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -110,15 +110,17 @@ def test_import_deltalang_is_light_and_keeps_its_names() -> None:
 
 
 def test_the_public_names_are_their_homes() -> None:
-    from deltalang import compiled, model, results, spec
+    from deltalang.runs import compiled, results
+    from deltalang.runtime import model
+    from deltalang.models import spec
 
-    import deltalang.check  # noqa: F401 - importing the submodules must not rebind the functions
+    import deltalang.language.check  # noqa: F401 - importing the submodules must not rebind the functions
     import deltalang.run  # noqa: F401
 
     assert deltalang.Experiment is compiled.Experiment
     assert deltalang.load_model is model.load_model and deltalang.Results is results.Results
     assert deltalang.ModelSpec is spec.ModelSpec
-    assert deltalang.check is sys.modules["deltalang.check"].check
+    assert deltalang.check is sys.modules["deltalang.language.check"].check
     assert deltalang.run is sys.modules["deltalang.run"].run
     assert deltalang.sweep is sys.modules["deltalang.run"].sweep
     assert set(deltalang.__all__) <= set(dir(deltalang))

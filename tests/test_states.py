@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang import families, kernels
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.models import families
+from deltalang.runtime import kernels
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens
 
@@ -141,7 +142,7 @@ def test_no_python_loop_over_tokens(fam: families.Family) -> None:
 def test_blocks_reuse_one_states_buffer_only_when_nothing_holds_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside a trace, a block's states go into the buffer of an earlier block once nothing references
     it; a block whose states were saved keeps its own. Every value still equals the cache."""
-    from deltalang import deltarule
+    from deltalang.runtime import deltarule
 
     path = tiny_checkpoint("qwen3_5")
     model = deltalang.load_model(path)

@@ -21,8 +21,8 @@ from reference import delta_calls, kernel_calls
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang import families, internals, testing_ssd
-from deltalang.testing import FAMILY_NAMES, built_once, byte_tokenizer, load_hf, tiny_checkpoint
+from deltalang.models import families, internals, testing_ssd
+from deltalang.models.testing import FAMILY_NAMES, built_once, byte_tokenizer, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens
 # each DeltaNet block's projections scaled by GROWTH to the power of its order: inputs grow with depth

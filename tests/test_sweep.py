@@ -20,7 +20,7 @@ import torch
 import deltalang
 from deltalang.cli import main as cli_main
 from deltalang.sweep import DeltaSweepError, run_sweep, sweep
-from deltalang.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang.models.testing import FAMILY_NAMES, tiny_checkpoint
 
 CLEAN = "The Eiffel Tower is in"  # 22 byte tokens
 PROMPTS = '''prompt clean = "The Eiffel Tower is in"
@@ -121,7 +121,7 @@ def test_engine_equals_the_naive_path_on_the_other_families(family: str) -> None
 def _glm5_selecting(path: Path) -> Path:
     """A tiny glm5_next whose indexer drops tokens (index_topk 8 of 22, pools of 4) and whose second indexed
     block reuses the first one's top-k (`prev_topk_indices`, handed on in the block's output tuple)."""
-    from deltalang import families, testing
+    from deltalang.models import families, testing
 
     cfg = testing.tiny_config("glm5_next")
     text = cfg.text_config
@@ -211,8 +211,8 @@ def test_blocks_before_the_first_recomputed_one_keep_their_cache() -> None:
     """An attention block before every DeltaNet block sizes the masks: its prefix must be in the cache."""
     from transformers import AutoModelForCausalLM
 
-    from deltalang.model import wrap_model
-    from deltalang.testing import _enlarge_random_weights, byte_tokenizer, tiny_config
+    from deltalang.runtime.model import wrap_model
+    from deltalang.models.testing import _enlarge_random_weights, byte_tokenizer, tiny_config
 
     cfg = tiny_config("qwen3_5")
     cfg.layer_types = ["full_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -385,7 +385,7 @@ def test_the_sweep_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not (Path(deltalang.__file__).parent / "bundled" / "model" / "config.json").exists(),
+@pytest.mark.skipif(not (Path(deltalang.__file__).parent / "models" / "bundled" / "model" / "config.json").exists(),
                     reason="the bundled model is not built")
 @pytest.mark.parametrize("name", ["sweep_state_ablation", "sweep_resample"])
 def test_the_sweep_examples_on_the_bundled_model(name: str) -> None:

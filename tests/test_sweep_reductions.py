@@ -19,8 +19,8 @@ import torch
 
 import deltalang
 from deltalang.cli import main
-from deltalang.errors import DeltaError
-from deltalang.testing import load_hf, tiny_checkpoint
+from deltalang.ground.errors import DeltaError
+from deltalang.models.testing import load_hf, tiny_checkpoint
 from reference import Reference, Write
 
 PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin"

@@ -15,13 +15,14 @@ from reference import Reference, Write, zeros
 from safetensors.torch import load_file
 
 import deltalang
-from deltalang import ast, display
-from deltalang.bundled import PATH as BUNDLED
-from deltalang.bundled import world
-from deltalang.errors import DeltaError
-from deltalang.measures import TopK, top
-from deltalang.parse import parse
-from deltalang.results import Results
+from deltalang.language import ast
+from deltalang.ground import display
+from deltalang.models.bundled import PATH as BUNDLED
+from deltalang.models.bundled import world
+from deltalang.ground.errors import DeltaError
+from deltalang.ground.measures import TopK, top
+from deltalang.language.parse import parse
+from deltalang.runs.results import Results
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import deltalang
-from deltalang import bundled, values
-from deltalang.check import check
-from deltalang.errors import DeltaError, DeltaErrors, DeltaWarning
+from deltalang.models import bundled, values
+from deltalang.language.check import check
+from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaWarning
 
 PROMPT = "The Eiffel Tower is in the city of"
 HEAD = f'prompt clean = "{PROMPT}"\n'
@@ -190,7 +190,7 @@ def test_c_every_missing_dataset_field(tmp_path: Path, model: Any) -> None:
 
 
 def test_d_small_estimates_keep_their_digits_and_saturation_is_said(model: Any) -> None:
-    from deltalang.display import signed
+    from deltalang.ground.display import signed
 
     assert signed(-0.000419) == "-0.000419" and signed(6.7e-08) == "+6.7e-08" and signed(-0.975) == "-0.975"
     text = HEAD + "sweep s on clean over L in L[4,5], t in 5..8 method attribution {\n" \
@@ -261,8 +261,8 @@ def test_g_check_of_a_hundred_million_new_tokens_answers_at_once(capsys: pytest.
 def test_g_check_finds_what_the_whole_plan_finds(body: str, capsys: pytest.CaptureFixture) -> None:
     """The plan `check` builds refuses exactly what the full plan refuses, with the same words, and still does
     past the steps it enumerates."""
-    from deltalang.errors import DeltaPlanError
-    from deltalang.plan import build_plan, checked_plan
+    from deltalang.ground.errors import DeltaPlanError
+    from deltalang.compiler.plan import build_plan, checked_plan
 
     def outcome(make: Any, n: int) -> str:
         with warnings.catch_warnings():

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang.cli import main
-from deltalang.testing import _enlarge_random_weights, byte_tokenizer, tiny_config
+from deltalang.models.testing import _enlarge_random_weights, byte_tokenizer, tiny_config
 
 LANDMARKS = Path(__file__).resolve().parent.parent / "examples" / "data" / "landmarks.jsonl"
 
@@ -116,7 +116,7 @@ def test_a_per_token_measure_over_a_dataset_is_a_located_error(command: str, tmp
 
 def test_a_failed_run_over_a_dataset_leaves_no_results_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture) -> None:
-    from deltalang import dataset_run
+    from deltalang.runs import dataset_run
 
     prog, out = _dataset_program(tmp_path, "norm(L4.state_output)"), tmp_path / "out"
     real = dataset_run._run_group
@@ -141,7 +141,7 @@ def test_a_failed_run_over_a_dataset_leaves_no_results_and_resumes(tmp_path: Pat
 
 
 def test_a_run_over_a_dataset_failing_at_once_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from deltalang import dataset_run
+    from deltalang.runs import dataset_run
 
     def failing(*a: object, **k: object) -> object:
         raise RuntimeError("a failure in the first group")
@@ -183,7 +183,7 @@ def test_out_holding_files_that_are_not_results_is_refused(tmp_path: Path, capsy
 
 def test_a_failed_run_leaves_nothing_in_a_new_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture) -> None:
-    from deltalang.results import Results
+    from deltalang.runs.results import Results
 
     def half_save(self: Results, directory: str | Path, **k: object) -> Path:
         Path(directory).mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 The ground truth is `tests/reference.py`: the bundled model as a plain
 transformers model, run over its own cache token by token and decoded greedily,
 with the writes applied to the cache and kernel by hand. The KL divergence is
-`reference.kl` (`torch.nn.functional.kl_div`), not `deltalang.measures`.
+`reference.kl` (`torch.nn.functional.kl_div`), not `deltalang.ground.measures`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from reference import Record, Reference, Write, kl, set_to
 
 import deltalang
-from deltalang.bundled import PATH as BUNDLED
-from deltalang.bundled import world
-from deltalang.errors import DeltaError
+from deltalang.models.bundled import PATH as BUNDLED
+from deltalang.models.bundled import world
+from deltalang.ground.errors import DeltaError
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from deltalang import measures
-from deltalang.bundled import PATH
-from deltalang.check import check
-from deltalang.errors import DeltaWarning
-from deltalang.explain import format_resolved
+from deltalang.models.bundled import PATH
+from deltalang.language.check import check
+from deltalang.ground.errors import DeltaWarning
+from deltalang.compiler.explain import format_resolved
 
 pytestmark = pytest.mark.skipif(not (PATH / "config.json").exists(), reason="the bundled model is not built")
 
@@ -29,7 +29,7 @@ PROMPT = "The Eiffel Tower is in the city of"
 
 @pytest.fixture(scope="module")
 def spec() -> Any:
-    from deltalang.spec import load_spec
+    from deltalang.models.spec import load_spec
 
     return load_spec(None)
 
@@ -60,7 +60,7 @@ def test_check_notes_an_answer_without_its_leading_space(spec: Any) -> None:
 
 
 def test_no_note_where_the_word_after_a_space_is_not_one_token(spec: Any) -> None:
-    from deltalang.testing import byte_tokenizer
+    from deltalang.models.testing import byte_tokenizer
 
     tok = byte_tokenizer()  # one token a byte: " P" is two tokens, 'Ġ' and 'P'
     assert len(tok(" P", add_special_tokens=False)["input_ids"]) == 2
@@ -151,8 +151,8 @@ def records(spec: Any) -> list[dict[str, str]]:
                          ids=["trace", "generate"])
 def test_a_dataset_run_warns_once_per_measure_naming_the_records(records: list[dict[str, str]], run: str) -> None:
     """Over a dataset the warning is one per measure, with how many records gave it and which (not one a record)."""
-    from deltalang.compiled import get_model
-    from deltalang.dataset_run import run_dataset
+    from deltalang.runs.compiled import get_model
+    from deltalang.runs.dataset_run import run_dataset
 
     rows = records
     source = 'dataset facts = "facts.jsonl"\n' + run

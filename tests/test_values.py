@@ -11,11 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang import kernels
-from deltalang.internals import cache_kwargs
-from deltalang.errors import DeltaValueError
-from deltalang.spec import text_config
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.runtime import kernels
+from deltalang.models.internals import cache_kwargs
+from deltalang.ground.errors import DeltaValueError
+from deltalang.models.spec import text_config
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"  # 22 byte tokens
 OTHER = "My favourite food is pizza"
@@ -328,7 +328,7 @@ def test_routed_and_default_kernels_agree(loaded: tuple) -> None:
 
 
 def test_uninstall_puts_back_the_import_time_functions() -> None:
-    fam = deltalang.families.qwen3_5
+    fam = deltalang.models.families.qwen3_5
     kernels.install(fam)
     originals = {n: kernels.bound(fam, n) for n in (fam.chunk_kernel, fam.recurrent_kernel)}
     kernels.uninstall(fam)
@@ -475,7 +475,7 @@ def test_an_invoke_is_served_its_own_rows(loaded: tuple, monkeypatch: pytest.Mon
 
 def test_a_compiled_kernel_is_reported_with_its_fix() -> None:
     """With flash-linear-attention installed the kernel name holds compiled code without source."""
-    fam = deltalang.families.qwen3_5
+    fam = deltalang.models.families.qwen3_5
     module = fam.module
     real = kernels.original(fam, fam.chunk_kernel)
 

@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang import kernels, mixer
-from deltalang.internals import cache_kwargs
-from deltalang.model import wrap_model
-from deltalang.spec import load_tokenizer
-from deltalang.testing import load_hf, tiny_checkpoint
+from deltalang.runtime import kernels, mixer
+from deltalang.models.internals import cache_kwargs
+from deltalang.runtime.model import wrap_model
+from deltalang.models.spec import load_tokenizer
+from deltalang.models.testing import load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"
 OTHER = "My favourite food is pizza"
@@ -153,7 +153,7 @@ def token_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = kernels.token_by_token
 
-    def counting(fam: deltalang.families.Family):  # type: ignore[no-untyped-def]
+    def counting(fam: deltalang.models.families.Family):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(fam)
 
@@ -290,12 +290,12 @@ def test_a_nested_call_that_never_exits_is_unwound_with_its_caller(model: deltal
 # ---------------------------------------------------------------------------
 
 
-def _kernel_globals(fam: deltalang.families.Family) -> dict[str, object]:
+def _kernel_globals(fam: deltalang.models.families.Family) -> dict[str, object]:
     return {n: getattr(fam.module, n) for n in (fam.chunk_kernel, fam.recurrent_kernel, fam.conv_fn, fam.conv_update)}
 
 
 def test_uninstall_restores_what_transformers_bound_and_leaves_other_families_alone() -> None:
-    qwen, kimi = deltalang.families.qwen3_5, deltalang.families.kimi_linear
+    qwen, kimi = deltalang.models.families.qwen3_5, deltalang.models.families.kimi_linear
     kernels.install(qwen)
     kernels.install(kimi)
     bound = {n: kernels.bound(qwen, n) for n in _kernel_globals(qwen)}
@@ -312,8 +312,8 @@ def test_uninstall_restores_what_transformers_bound_and_leaves_other_families_al
 
 
 def test_a_second_copy_of_the_kernels_module_finds_transformers_functions() -> None:
-    """A reloaded deltalang.kernels (autoreload) installs over dispatchers: it must unwrap them."""
-    fam = deltalang.families.qwen3_5
+    """A reloaded deltalang.runtime.kernels (autoreload) installs over dispatchers: it must unwrap them."""
+    fam = deltalang.models.families.qwen3_5
     kernels.install(fam)
     bound = {n: kernels.bound(fam, n) for n in _kernel_globals(fam)}
     functions = {n: kernels.original(fam, n) for n in _kernel_globals(fam)}

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from reference import cache_after, delta_calls, hf_forward, kernel_calls
 
 import deltalang
-from deltalang import internals, testing_ssd
-from deltalang.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.models import internals, testing_ssd
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 PROMPT = "The Eiffel Tower is in"  # 22 byte tokens: crosses the chunked rule's chunk of 16
 SHORT = "Big cats"

@@ -24,10 +24,11 @@ from typing import Any
 import attrs
 import torch
 
-from .. import display, gradients
-from ..compiled import Experiment
-from ..ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
-from ..model import DeltaModel
+from deltalang.ground import display
+from deltalang.runtime import gradients
+from deltalang.runs.compiled import Experiment
+from deltalang.language.ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
+from deltalang.runtime.model import DeltaModel
 from .errors import DeltaSweepError
 from .job import measure_label
 from .paths import (PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward,

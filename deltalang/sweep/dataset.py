@@ -23,27 +23,28 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .. import ast, display
-from ..compat import pandas
-from ..compiled import Experiment
-from ..dataset_run import MeasureStats, left_out, load_datasets, stats_of
-from ..dataset_store import RecordProgress, RecordStore, format_stats, open_store, write_long_csv, write_summary
-from ..datasets import Dataset, Record
-from ..errors import DeltaError
-from ..ir import Resolved, ResolvedRun
-from ..model import DeltaModel
-from ..parse import parse
-from ..resolve import resolve_records
-from ..resolve.dataset import axis_positions, field_prompt, measure_label
-from ..results import save_atomically
-from ..shards import Part, count_line, finish, part_of, resumes, select, shard_of
+from deltalang.language import ast
+from deltalang.ground import display
+from deltalang.ground.compat import pandas
+from deltalang.runs.compiled import Experiment
+from deltalang.runs.dataset_run import MeasureStats, left_out, load_datasets, stats_of
+from deltalang.runs.dataset_store import (RecordProgress, RecordStore, format_stats, open_store, write_long_csv,
+                                          write_summary)
+from deltalang.ground.datasets import Dataset, Record
+from deltalang.ground.errors import DeltaError
+from deltalang.language.ir import Resolved, ResolvedRun
+from deltalang.runtime.model import DeltaModel
+from deltalang.language.parse import parse
+from deltalang.language.resolve import resolve_records
+from deltalang.language.resolve.dataset import axis_positions, field_prompt, measure_label
+from deltalang.runs.results import save_atomically
+from deltalang.runs.shards import Part, count_line, finish, part_of, resumes, select, shard_of
 from .aligned import COLUMNS as TOKEN_COLUMNS
 from .aligned import Alignment, aligned_records, per_token_lines
 from .aligned import offset as _offset
 from .aligned import order as token_order
 from .attribution import Method, method_of
-from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records, marks, read_phase, \
-    refine_out
+from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records, marks, read_phase, refine_out
 from .driver import SweepOutcome, _console_for, run_sweeps
 from .grouped import Grouped, check_field, group_by
 from .job import Normalise

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from ..model import DeltaModel
-from ..compiled import Experiment
-from ..html import NotebookProgress, ProgressDisplay
-from ..results import Results
+from deltalang.runtime.model import DeltaModel
+from deltalang.runs.compiled import Experiment
+from deltalang.ground.html import NotebookProgress, ProgressDisplay
+from deltalang.runs.results import Results
 from .attribution import Attribution, attribute, method_of, refuse_estimated
 from .engine import Context, baselines, run_job
 from .errors import DeltaSweepError

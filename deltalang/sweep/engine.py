@@ -25,16 +25,15 @@ import attrs
 import safetensors.torch
 import torch
 
-from .. import measures
-from ..ir import FromRun, Mean, Reduce, ResolvedMeasure, Scale, Zeros
-from ..kernels import routed
-from ..model import DeltaModel
-from ..compiled import Experiment
+from deltalang.ground import measures
+from deltalang.language.ir import FromRun, Mean, Reduce, ResolvedMeasure, Scale, Zeros
+from deltalang.runtime.kernels import routed
+from deltalang.runtime.model import DeltaModel
+from deltalang.runs.compiled import Experiment
 from .errors import Unsupported
 from .job import Cell, ResultRow, SweepJob, added_result_name, measure_label, start_of
 from .memory import chunks, waves
-from .recompute import (Capture, Patch, Row, RowsOut, continuation_start, device_of, dtype_of, prefix_reads,
-                        run_rows)
+from .recompute import Capture, Patch, Row, RowsOut, continuation_start, device_of, dtype_of, prefix_reads, run_rows
 from .support import dependencies, referenced_runs, subprogram
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ it when it cannot serve a sweep, and the naive path then runs it.
 
 from __future__ import annotations
 
-from ..errors import DeltaError
+from deltalang.ground.errors import DeltaError
 
 
 class DeltaSweepError(DeltaError):

@@ -24,10 +24,10 @@ from typing import Any
 
 import attrs
 
-from .. import display
-from ..dataset_run import MeasureStats, stats_of
-from ..dataset_store import write_long_csv
-from ..errors import DeltaError
+from deltalang.ground import display
+from deltalang.runs.dataset_run import MeasureStats, stats_of
+from deltalang.runs.dataset_store import write_long_csv
+from deltalang.ground.errors import DeltaError
 from .plots import MAX_CURVES, colour_label, curves, heatmap, slug
 
 Point = tuple[tuple[str, str], ...]  # (variable, label as written)

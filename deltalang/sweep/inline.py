@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import display, html
-from ..results import for_display
+from deltalang.ground import display, html
+from deltalang.runs.results import for_display
 from .plots import colour_label, heatmap, plot_table, slug
 from .store import CSV_NAME
 

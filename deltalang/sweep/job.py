@@ -14,21 +14,10 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from .. import values
-from ..ir import (
-    FromRun,
-    Load,
-    Mean,
-    Named,
-    Resolved,
-    ResolvedMeasure,
-    ResolvedOp,
-    ResolvedRun,
-    Scale,
-    Steer,
-    measure_result_name,
-)
-from ..compiled import Experiment
+from deltalang.models import values
+from deltalang.language.ir import (FromRun, Load, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun,
+                                   Scale, Steer, measure_result_name)
+from deltalang.runs.compiled import Experiment
 from .errors import DeltaSweepError
 from .support import Support, reference_run
 

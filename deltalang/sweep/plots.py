@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import display
-from ..results import for_display
+from deltalang.ground import display
+from deltalang.runs.results import for_display
 
 if TYPE_CHECKING:
     from .table import SweepTable

@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
-from .. import values
-from ..internals import cache as hf_cache
-from ..internals import cache_keyword, cache_kwargs
-from ..internals.cache import (ATTENTION_LAYOUT, HYBRID_LAYOUT, LINEAR_LAYOUT, NO_CACHE_LAYOUT, CacheOf,
-                               CacheUnsupported)
-from ..model import DeltaModel, base_model, decoder
+from deltalang.models import values
+from deltalang.models.internals import cache as hf_cache
+from deltalang.models.internals import cache_keyword, cache_kwargs
+from deltalang.models.internals.cache import (ATTENTION_LAYOUT, HYBRID_LAYOUT, LINEAR_LAYOUT, NO_CACHE_LAYOUT, CacheOf,
+                                              CacheUnsupported)
+from deltalang.runtime.model import DeltaModel, base_model, decoder
 from . import continuation
 from .errors import Unsupported
 from .job import Cell

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..compiled import Experiment
-from ..shard_file import sync
+from deltalang.runs.compiled import Experiment
+from deltalang.runs.shard_file import sync
 from .errors import DeltaSweepError
 from .job import Normalise, ResultRow, SweepJob
 

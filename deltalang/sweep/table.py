@@ -17,12 +17,12 @@ from typing import Any, Mapping
 
 import attrs
 
-from .. import display
-from ..errors import DeltaWarning, Span, warn
-from ..ir import ResolvedRun, SweepAxis
-from ..model import DeltaModel
-from ..results import for_display
-from ..tokens import decoded
+from deltalang.ground import display
+from deltalang.ground.errors import DeltaWarning, Span, warn
+from deltalang.language.ir import ResolvedRun, SweepAxis
+from deltalang.runtime.model import DeltaModel
+from deltalang.runs.results import for_display
+from deltalang.language.tokens import decoded
 from .inline import table_html
 from .job import ResultRow
 from .store import CSV_NAME

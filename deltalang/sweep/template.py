@@ -10,8 +10,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import ast
-from ..parse import parse
+from deltalang.language import ast
+from deltalang.language.parse import parse
 from .errors import DeltaSweepError
 
 
