@@ -163,3 +163,15 @@ def test_program_text_is_coloured_on_a_terminal_only(command: str) -> None:
     shown = _on_a_terminal(command, EXAMPLE)
     assert "\x1b[" in shown
     assert re.sub(r"\x1b\[[0-9;]*m", "", shown) == piped.stdout
+
+
+def test_the_old_testing_paths_are_the_modules_themselves() -> None:
+    """`deltalang.testing` and `deltalang.testing_ssd`, which users import, are the modules that moved to models/."""
+    import deltalang.models.testing
+    import deltalang.models.testing_ssd
+    import deltalang.testing
+    import deltalang.testing_ssd
+    from deltalang.testing import tiny_checkpoint
+
+    assert deltalang.testing is deltalang.models.testing and deltalang.testing_ssd is deltalang.models.testing_ssd
+    assert tiny_checkpoint is deltalang.models.testing.tiny_checkpoint
