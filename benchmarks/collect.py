@@ -38,7 +38,7 @@ from values import peak_memory  # noqa: E402
 
 import deltalang  # noqa: E402
 from deltalang.runs.collect import human  # noqa: E402
-from deltalang.runs.dataset_run import MAX_GROUP  # noqa: E402
+from deltalang.runs.records import MAX_GROUP  # noqa: E402
 from deltalang.runtime.model import wrap_model  # noqa: E402
 
 # what each record keeps (`--read`): the state at the subject (18 MiB a record), or every token's write_values

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for
 
 import deltalang
-from deltalang.runs.dataset_run import MAX_GROUP
+from deltalang.runs.records import MAX_GROUP
 from deltalang.runtime.model import wrap_model
 
 PROGRAM = """trace t on facts {

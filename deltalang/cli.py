@@ -117,7 +117,7 @@ def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     """`deltalang check` of a program over a dataset: its first record's plain program, and which records resolve."""
     from .language import ast
     from .runs.dataset_generate import check_note
-    from .runs.dataset_run import load_datasets
+    from .runs.records import load_datasets
     from .compiler.explain import format_resolved
     from .ground.measures import refuse_per_token
     from .language.resolve import resolve_records
@@ -179,7 +179,8 @@ def emit_main(args: argparse.Namespace) -> int:
     if _over_dataset(args):  # a generate over a dataset: its largest group of records' forwards
         from .language.ast import ModelDecl
         from .runs.dataset_generate import describe
-        from .runs.dataset_run import load_datasets, merge
+        from .runs.dataset_run import merge
+        from .runs.records import load_datasets
         from .models.spec import load_spec
 
         program = parsed_program(args).complete()
@@ -223,7 +224,8 @@ def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
     """`deltalang run FILE [--out DIR] [--strict]` of a program over a dataset: per-measure statistics."""
     from .language import ast
     from .runs.compiled import model_for
-    from .runs.dataset_run import FILES, load_datasets, run_dataset
+    from .runs.dataset_run import FILES, run_dataset
+    from .runs.records import load_datasets
 
     program = parsed_program(args).complete()
     refuse_over_dataset(args, program)  # --prompt; --align without a sweep

@@ -161,7 +161,8 @@ def _run(args: argparse.Namespace, cell: str, namespace: dict[str, Any]) -> Any:
     from .language import ast
     from .cli import check_options
     from .runs.compiled import Experiment, model_for
-    from .runs.dataset_run import load_datasets, run_dataset
+    from .runs.dataset_run import run_dataset
+    from .runs.records import load_datasets
     from .language.parse import parse_partial
     from .language.resolve import uses_dataset
 

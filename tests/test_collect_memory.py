@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import deltalang
-from deltalang.runs import collect, dataset_run
+from deltalang.runs import collect, records
 from deltalang.runs.dataset_run import run_dataset
 
 RECORDS = [
@@ -76,7 +76,7 @@ def test_no_group_is_held_after_its_shard_is_written(tmp_path: Path, model: Any,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Between groups only the store's shards are held (one shard a record here: at most two records), never a
     group that ran before (the first group was held to the end, and each group until the next one had run)."""
-    monkeypatch.setattr(dataset_run, "MAX_GROUP", 2)  # records sharing forwards, three groups
+    monkeypatch.setattr(records, "MAX_GROUP", 2)  # records sharing forwards, three groups
     source, filename = _program(tmp_path)
     base = live_bytes()
     held: list[int] = []

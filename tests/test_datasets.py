@@ -203,7 +203,7 @@ def test_records_of_different_lengths_share_forwards_and_each_equals_transformer
         model: deltalang.DeltaModel, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from deltalang.runs.dataset_run import record_groups
+    from deltalang.runs.records import record_groups
     # k leading "The"s in both prompts: records of 8 to 11 tokens, each donor as long as its prompt
     records = [dict(r, prompt="The " * k + r["prompt"], corrupt="The " * k + r["corrupt"])
                for k, r in zip((3, 0, 2, 1, 3), RECORDS[4:9])]

@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
     "runtime.backends": 5, "runtime.deltarule": 5, "runtime.ssd": 5, "runtime.kernels": 5, "runtime.mixer": 5,
     "runtime.info": 5, "runtime.model": 5, "runtime.gradients": 5,
     "runs.results": 6, "runs.compiled": 6,
-    "sweep": 7, "runs.dataset_run": 7, "runs.dataset_generate": 7, "runs.dataset_store": 7, "runs.collect": 7,
+    "sweep": 7, "runs.dataset_run": 7, "runs.records": 7, "runs.dataset_generate": 7, "runs.dataset_store": 7, "runs.collect": 7,
     "runs.collection": 7, "runs.shards": 7, "merge": 7,
     "run": 8, "cli": 8, "options": 8, "notebook": 8, "__init__": 8, "__main__": 8,
     "testing": 8, "testing_ssd": 8,  # the old paths of models.testing*, kept for users' imports

@@ -36,7 +36,7 @@ from deltalang.runs.shards import Shard, from_env, launch_device, read_rows, sha
 ROOT = Path(__file__).parents[1]
 LANDMARKS = [json.loads(line) for line in (ROOT / "examples" / "data" / "landmarks.jsonl").read_text().splitlines()]
 RECORDS = LANDMARKS[:5]
-# 72 records of several lengths: more than one group of records sharing forwards (`dataset_run.MAX_GROUP`, 32)
+# 72 records of several lengths: more than one group of records sharing forwards (`records.MAX_GROUP`, 32)
 MANY = [dict(r, prompt=pre + r["prompt"], corrupt=pre + r["corrupt"])
         for pre in ("", "The city: ", "The city of Paris, ") for r in LANDMARKS]
 PROGRAMS = {

@@ -116,7 +116,7 @@ def test_a_per_token_measure_over_a_dataset_is_a_located_error(command: str, tmp
 
 def test_a_failed_run_over_a_dataset_leaves_no_results_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture) -> None:
-    from deltalang.runs import dataset_run
+    from deltalang.runs import dataset_run, records
 
     prog, out = _dataset_program(tmp_path, "norm(L4.state_output)"), tmp_path / "out"
     real = dataset_run._run_group
@@ -128,7 +128,7 @@ def test_a_failed_run_over_a_dataset_leaves_no_results_and_resumes(tmp_path: Pat
             raise RuntimeError("a failure in the second group")
         return real(*a, **k)
 
-    monkeypatch.setattr(dataset_run, "MAX_GROUP", 8)
+    monkeypatch.setattr(records, "MAX_GROUP", 8)
     monkeypatch.setattr(dataset_run, "_run_group", failing)
     assert main(["run", str(prog), "--out", str(out)]) == 2
     assert sorted(p.name for p in out.iterdir()) == ["progress.json", "results.partial.csv"]  # kept for --resume

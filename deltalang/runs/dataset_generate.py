@@ -7,7 +7,7 @@ runs that cannot be renamed apart, run alone). Returns `DatasetGeneration`: long
 line, fields, measure, step, value; new tokens as `g.tokens` rows), `continuations`, statistics per
 measure and step; `save(DIR)` writes results.csv, continuations.jsonl, summary.csv/json, program.dl.
 `out`/`resume` save and continue group by group (`dataset_store.RecordStore`); a shard runs whole groups
-(`dataset_run.forward_groups`), `continuations_of` reads a part back for `merge`. `describe` is what
+(`records.forward_groups`), `continuations_of` reads a part back for `merge`. `describe` is what
 `deltalang emit [--plan]` prints. `dataset_run` passes in `merge` and `stats_of` (no upward import).
 """
 

@@ -4,11 +4,10 @@
     out = run_dataset(source, model, data={"facts": records})        # list of dicts or a pandas DataFrame
     out.rows, out.stats, out.skipped; print(out.summary()); out.save("out/")
 
-A record's result is exactly its plain one-prompt program's (`resolve.dataset.expand`); records share
-forwards (programs merged, runs renamed `NAME#k`, sorted by length, at most `MAX_GROUP` records and
-`plan.BATCH_TOKENS` padded tokens a forward). Records that do not resolve are left out and reported by
-data-file line (`strict=True`: the first is the error); the program's or data's errors are DeltaErrors
-before anything runs. `DatasetResults`: long-format `rows` and per measure mean, sample std, n and 95% CI
+A record's result is exactly its plain one-prompt program's (`resolve.dataset.expand`); the records that share
+a forward (`records.open_records`) run as one program (`merge`: runs renamed `NAME#k`). Records that do not
+resolve are left out and reported by data-file line (`strict=True`: the first is the error); the program's or
+data's errors are DeltaErrors before anything runs. `DatasetResults`: long-format `rows` and per measure mean, sample std, n and 95% CI
 (Student's t, `stats_of`); `save(DIR)` writes results.csv, summary.csv/json and program.dl. A measure's answer
 without its leading space whose twin after a space is far likelier is one warning over the records (`SpacedAnswers`).
 """
@@ -25,30 +24,29 @@ import attrs
 
 from deltalang.language import ast
 from deltalang.ground import html
-from .collect import (SHARD_BYTES, SHARD_SECONDS, CollectStore, Collected, Slot, check_fits, collect_groups, collects,
-                      estimate, prepare, reads_of, run_group, slots_of)
+from .collect import (SHARD_BYTES, SHARD_SECONDS, CollectStore, Collected, Slot, check_fits, collect_groups,
+                      estimate, reads_of, run_group, slots_of)
 from .collection import Collection
 from deltalang.ground.compat import pandas
 from .compiled import Experiment
-from .dataset_generate import DatasetGeneration, generate_groups, generates, run_generate
+from .dataset_generate import DatasetGeneration, run_generate
 from .dataset_store import (RecordProgress, RecordStore, format_stats, open_store, program_meta, write_long_csv,
                             write_summary, write_summary_json)
-from deltalang.ground.datasets import Dataset, Record, dataset_from_python, load_dataset
-from deltalang.ground.errors import DeltaError, DeltaWarning, RecordsWarning, locating, warn
-from deltalang.language.ir import FromRun, Mean, Named, Resolved, ResolvedRun
+from deltalang.ground.datasets import Dataset, Record
+from deltalang.ground.errors import DeltaError, DeltaWarning, locating, warn
+from deltalang.language.ir import FromRun, Resolved, ResolvedRun
 from deltalang.ground.measures import UnspacedWarning, refuse_per_token
 from deltalang.runtime.model import DeltaModel
 from deltalang.language.parse import parse
-from deltalang.compiler.plan import BATCH_TOKENS
-from deltalang.language.resolve import RecordResolution, resolve_records
-from deltalang.language.resolve.dataset import dataset_decls, measure_label
+from deltalang.language.resolve import RecordResolution
+from deltalang.language.resolve.dataset import measure_label
 from .results import save_atomically
-from .shards import Part, count_line, finish, part_of, resumes, select, shard_of
+from .records import close_records, open_records
+from .shards import Part, count_line, finish
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-MAX_GROUP = 32  # records per program when records share forwards
 FILES = ("results.csv", "summary.csv", "summary.json", "program.dl")
 
 
@@ -152,17 +150,6 @@ class DatasetResults:
         return html.dataset_table(self)
 
 
-def load_datasets(program: ast.Program, filename: str, data: Mapping[str, Any] | None) -> dict[str, Dataset]:
-    """The program's datasets: `data`'s (from Python) first, else each declared file, relative to the .dl file."""
-    out = {name: dataset_from_python(name, d) for name, d in (data or {}).items()}
-    base = Path(filename).parent if not filename.startswith("<") else Path.cwd()
-    for decl in dataset_decls(program):
-        if decl.name not in out:
-            path = Path(decl.path) if Path(decl.path).is_absolute() else base / decl.path
-            out[decl.name] = load_dataset(decl.name, path, shown=str(path))
-    return out
-
-
 def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
                 data: Mapping[str, Any] | None = None, strict: bool = False, batch: bool = True,
                 datasets: Mapping[str, Dataset] | None = None, out: str | Path | None = None, resume: bool = False,
@@ -181,37 +168,26 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
     saved in `out/shard-K-of-N` (`deltalang.runs.shards`; `deltalang.merge` joins the parts). `program`: `source`
     already parsed (the entry points parse it once); each record's program is made from this tree.
     """
-    if resume and out is None:
-        raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     if program is None:
         program = parse(source, filename)
-    if datasets is None:
-        datasets = load_datasets(program, filename, data)
-    ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
-    refuse_per_record_vectors(resolutions, source, filename)
-    part = shard_of(shard)
-    kind = "generate" if generates(resolutions) else "collection" if collects(resolutions) else "run"
-    groups, labels = forward_groups(program, resolutions, kind, batch)  # over every record: a shard takes whole ones
-    resolutions, out = select(ds, resolutions, part, out, source, kind, model.spec.model_id,
-                              [[r.record.index for r in g] for g in groups])
-    mine = {r.record.index for r in resolutions}
-    share = part_of(part, resolutions)
-    resume = resumes(None if part is None or out is None else Path(out), resume)  # a part never started: a start
-    groups = [g for g in groups if g[0].record.index in mine]
-    skipped = left_out(ds, resolutions, strict)
-    if kind == "generate":  # each record's continuation and measures per step (`deltalang.runs.dataset_generate`)
+    recs = open_records(program, source, model.spec, filename=filename, data=data, datasets=datasets, strict=strict,
+                        batch=batch, shard=shard, out=out, resume=resume,
+                        vet=lambda resolutions: refuse_per_record_vectors(resolutions, source, filename))
+    ds, groups, skipped, out, resume = recs.ds, recs.groups, recs.skipped, recs.out, recs.resume
+    resolutions = recs.resolutions
+    if recs.kind == "generate":  # each record's continuation and measures per step (`deltalang.runs.dataset_generate`)
         spaced = SpacedAnswers(ds)
         got: Any = run_generate(program, ds, groups, skipped, source, model, filename=filename, batch=batch, out=out,
                                 resume=resume, console=console, on_group=on_group, merge=merge, stats=stats_of,
                                 taking=spaced.taking)
         spaced.warn()
-    elif kind == "collection":
-        got = run_collection(program, ds, groups, labels, skipped, source, model, filename=filename, batch=batch,
+    elif recs.kind == "collection":
+        got = run_collection(program, ds, groups, recs.labels, skipped, source, model, filename=filename, batch=batch,
                              out=out, resume=resume, console=console, on_group=on_group, shard_bytes=shard_bytes,
-                             shard_seconds=shard_seconds, part=share)
-    if kind != "run":
-        finish(None if out is None else Path(out), part)
-        return attrs.evolve(got, part=share) if kind == "generate" else got
+                             shard_seconds=shard_seconds, part=recs.share)
+    if recs.kind != "run":
+        finish(out, recs.part)
+        return attrs.evolve(got, part=recs.share) if recs.kind == "generate" else got
     columns = ["record", "line", *ds.fields, "measure", "value"]
     store = open_store(out, source, model.spec.model_id, columns, len(ds.records), resume, {"batch": batch})
     done = store.done if store is not None else set()
@@ -236,25 +212,9 @@ def run_dataset(source: str, model: DeltaModel, *, filename: str = "<program>",
         raise
     spaced.warn()
     rows = [row for i in sorted(per) for row in per[i]]
-    result = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, source, share)
-    if out is not None and store is not None:
-        result.save(out)
-        store.finish()
-        finish(out, part)
+    result = DatasetResults(ds, tuple(rows), stats_by_measure(rows), skipped, source, recs.share)
+    close_records(result, store, recs)
     return result
-
-
-def forward_groups(program: ast.Program, resolutions: list[RecordResolution], kind: str, batch: bool) \
-        -> tuple[list[list[RecordResolution]], dict[int, dict[str, str]]]:
-    """The groups of records that share forwards, over every record that resolves, as one process forms them
-    (a collection's programs `canonical`, with their labels): a shard runs whole groups (`deltalang.runs.shards`)."""
-    good = [r for r in resolutions if r.resolved is not None]
-    if kind == "generate":
-        return generate_groups(good, batch), {}
-    if kind == "collection":
-        todo, labels = prepare(program, good, set())
-        return record_groups(todo, batch), labels
-    return record_groups(good, batch), {}
 
 
 def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordResolution]],
@@ -262,7 +222,7 @@ def run_collection(program: ast.Program, ds: Dataset, groups: list[list[RecordRe
                    model: DeltaModel, *, filename: str, batch: bool, out: str | Path | None, resume: bool,
                    console: Console | None, on_group: Callable[[list[int]], None] | None,
                    shard_bytes: int, shard_seconds: float = SHARD_SECONDS, part: Part | None = None) -> Collection:
-    """A collection (`deltalang.runs.collect`) of `groups` (`forward_groups`): the records' reads written to `out` as
+    """A collection (`deltalang.runs.collect`) of `groups` (`records.forward_groups`): the records' reads written to `out` as
     they finish; resumed, a group with a record not done runs whole (its records share its forward)."""
     if out is None:
         raise DeltaError("a run over a dataset that reads collects every record's values into files as it goes: "
@@ -398,64 +358,6 @@ def refuse_per_record_vectors(resolutions: list[RecordResolution], source: str, 
             return
 
 
-def left_out(ds: Dataset, resolutions: list[RecordResolution], strict: bool) -> tuple[tuple[int, str], ...]:
-    """The records whose program does not resolve, (index, why); with `strict` the first is the error.
-    Each record's warnings are shown once."""
-    _warn_once(ds, resolutions)
-    skipped = tuple((r.record.index, _one_line(r.error)) for r in resolutions if r.error is not None)
-    if skipped and strict:
-        i, why = skipped[0]
-        raise DeltaError(f"{ds.where(ds.records[i])}: record {i + 1} of '{ds.name}' does not resolve (--strict): "
-                         f"{why}")
-    return skipped
-
-
-def _warn_once(ds: Dataset, resolutions: list[RecordResolution]) -> None:
-    """Each record's warnings, each message once, naming the first record that gave it."""
-    seen: set[str] = set()
-    for r in resolutions:
-        for w in r.resolved.warnings if r.resolved is not None else ():
-            if w.message not in seen:
-                seen.add(w.message)
-                if not isinstance(w, RecordsWarning):  # one about many records names them itself
-                    w.notes = (*w.notes, f"in record {r.record.index + 1} ({ds.where(r.record)})")
-                warn(w)
-
-
-def record_groups(resolutions: list[RecordResolution], batch: bool) -> list[list[RecordResolution]]:
-    """Records that share forwards: sorted by length (little padding), at most `MAX_GROUP` records and
-    `BATCH_TOKENS` padded tokens per run a group; a record whose program cannot be renamed apart runs alone.
-
-    Runs of different lengths in one forward are left-padded; each value is still the run's own (see
-    `deltalang.compiler.plan`)."""
-    alone: list[list[RecordResolution]] = []
-    mergeable: list[tuple[int, RecordResolution]] = []
-    for r in resolutions:
-        assert r.resolved is not None
-        if not batch or not _mergeable(r.resolved):
-            alone.append([r])
-        else:
-            mergeable.append((max(len(run.token_ids) for run in r.resolved.runs), r))
-    out: list[list[RecordResolution]] = []
-    current: list[RecordResolution] = []
-    for n, r in sorted(mergeable, key=lambda x: x[0]):
-        if current and (len(current) >= MAX_GROUP or (len(current) + 1) * n > BATCH_TOKENS):
-            out.append(current)
-            current = []
-        current.append(r)
-    return out + ([current] if current else []) + alone
-
-
-def _mergeable(resolved: Resolved) -> bool:
-    """Whether the program's runs can be renamed apart: no `as` names, `= NAME` or mean sources, no generate."""
-    for run in resolved.runs:
-        if run.kind != "trace" or any(m.alias is not None for m in run.measures):
-            return False
-        if any(op.alias is not None or isinstance(op.source, (Named, Mean)) for op in run.ops):
-            return False
-    return True
-
-
 def _renamed(name: str, run: str, k: int | None) -> str:
     """Record `k`'s name for `name` (a run's name, or a result name starting with it): `t#3`, `t#3.prob(...)`."""
     if k is None:
@@ -484,8 +386,3 @@ def merge(parts: list[tuple[int, Resolved]]) -> Resolved:
         prompts.update({_renamed(n, n, k): t for n, t in res.prompts.items()})
     first = parts[0][1]
     return attrs.evolve(first, prompts=prompts, runs=tuple(runs))
-
-
-def _one_line(e: DeltaError | None) -> str:
-    """An error's message on one line, without its location (the record's line stands for it)."""
-    return "" if e is None else " ".join(str(e.message).split())

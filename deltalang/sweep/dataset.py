@@ -27,7 +27,7 @@ from deltalang.language import ast
 from deltalang.ground import display
 from deltalang.ground.compat import pandas
 from deltalang.runs.compiled import Experiment
-from deltalang.runs.dataset_run import MeasureStats, left_out, load_datasets, stats_of
+from deltalang.runs.dataset_run import MeasureStats, stats_of
 from deltalang.runs.dataset_store import (RecordProgress, RecordStore, format_stats, open_store, write_long_csv,
                                           write_summary)
 from deltalang.ground.datasets import Dataset, Record
@@ -35,10 +35,10 @@ from deltalang.ground.errors import DeltaError
 from deltalang.language.ir import Resolved, ResolvedRun
 from deltalang.runtime.model import DeltaModel
 from deltalang.language.parse import parse
-from deltalang.language.resolve import resolve_records
 from deltalang.language.resolve.dataset import axis_positions, field_prompt, measure_label
 from deltalang.runs.results import save_atomically
-from deltalang.runs.shards import Part, count_line, finish, part_of, resumes, select, shard_of
+from deltalang.runs.records import close_records, open_records
+from deltalang.runs.shards import Part, count_line, finish
 from .aligned import COLUMNS as TOKEN_COLUMNS
 from .aligned import Alignment, aligned_records, per_token_lines
 from .aligned import offset as _offset
@@ -216,16 +216,12 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
     per-token measure's positions count from: a field (`facts.subject[0]`) or -1, each record's end (`sweep.aligned`).
     `shard`: as `run_dataset`'s; an attribution's refine split by shards runs again with `refine_from=DIR`. `by`
     (`--by hay.distance`): each cell's mean per group of records too (`sweep.grouped`). `program`: `source` parsed."""
-    if resume and out is None:
-        raise DeltaError("--resume continues the run in an --out directory: give --out DIR")
     if program is None:
         program = parse(source, filename)
-    if datasets is None:
-        datasets = load_datasets(program, filename, data)
-    ds, resolutions = resolve_records(program, datasets, model.spec, source=source, filename=filename)
-    resolutions, out = select(ds, resolutions, part := shard_of(shard), refine_out(out, refine_from), source, "sweep",
-                              model.spec.model_id, keep_done=refine_from is not None)
-    skipped = left_out(ds, resolutions, strict)
+    recs = open_records(program, source, model.spec, kind="sweep", filename=filename, data=data, datasets=datasets,
+                        strict=strict, shard=shard, out=refine_out(out, refine_from), resume=resume,
+                        keep_done=refine_from is not None)
+    ds, resolutions, skipped, part, out = recs.ds, recs.resolutions, recs.skipped, recs.part, recs.out
     good = [(r.record, r.resolved) for r in resolutions if r.resolved is not None]
     if not good:
         raise DeltaError(f"none of the {len(ds.records)} records of '{ds.name}' resolves: nothing to run")
@@ -235,11 +231,11 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
         return _attribution(program, ds, good, skipped, model, source, filename, how, normalise=normalise, out=out,
                             resume=resume, batch_size=batch_size, engine=engine, console=_console_for(progress,
                             console), on_record=on_record, part=part, refine_from=refine_from,
-                            share=part_of(part, resolutions))
+                            share=recs.share)
     if refine_from is not None:
         raise DeltaError("--refine-from is the second phase of a sweep by attribution with refine split by --shard; "
                          "this sweep runs exactly: drop it")
-    resume = resumes(None if part is None or out is None else Path(out), resume)  # a part never started: a start
+    resume = recs.resume  # a part never started: a start
     norm = Normalise.parse(normalise)
     tokens, alignment, good, skipped = aligned_records(program, ds, good, skipped, align, model.spec, strict)
     axes = template_axes(program, good[0][1])
@@ -272,12 +268,9 @@ def run_dataset_sweep(source: str, model: DeltaModel, *, filename: str = "<progr
             console.print(f"interrupted: {bar.done} of {len(todo)} record(s) done, {where}")
         raise
     result = attrs.evolve(cell_results(ds, [r for i in sorted(rows) for r in rows[i]], skipped, axes, source, norm,
-                                       alignment.text if tokens else None), part=part_of(part, resolutions),
+                                       alignment.text if tokens else None), part=recs.share,
                          grouped_by=by)
-    if out is not None and store is not None:
-        result.save(out)
-        store.finish()
-        finish(Path(out), part)
+    close_records(result, store, recs)
     return result
 
 
