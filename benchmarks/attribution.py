@@ -45,8 +45,8 @@ from common import machine, qwen35_08b_shaped, tokenizer_for  # noqa: E402
 import deltalang  # noqa: E402
 from deltalang.language.ast import quote  # noqa: E402
 from deltalang.models.bundled import world  # noqa: E402
-from deltalang.runtime.model import wrap_model  # noqa: E402
 from deltalang.run import Experiment  # noqa: E402
+from deltalang.runtime.model import wrap_model  # noqa: E402
 from deltalang.sweep import run_sweeps  # noqa: E402
 from deltalang.sweep.attribution import DONOR_STEPS, PATHS  # noqa: E402
 

@@ -47,9 +47,9 @@ from common import qwen35_08b_shaped, tokenizer_for  # noqa: E402
 
 import deltalang  # noqa: E402
 from deltalang.models import families  # noqa: E402
+from deltalang.models.testing import FAMILY_NAMES, tiny_checkpoint  # noqa: E402
 from deltalang.runtime import backends, info, kernels  # noqa: E402
 from deltalang.runtime.model import wrap_model  # noqa: E402
-from deltalang.models.testing import FAMILY_NAMES, tiny_checkpoint  # noqa: E402
 
 VALUES = ("conv_window_after", "attention_queries", "attention_keys", "attention_values", "decays", "betas",
           "states", "state_after", "attention_head_outputs", "state_output", "attention_output", "output")

@@ -77,8 +77,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     import torch
-
     from common import machine, qwen35_08b_shaped, tokenizer_for
+
     from deltalang.runtime.model import wrap_model
 
     torch.set_grad_enabled(False)

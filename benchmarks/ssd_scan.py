@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from deltalang.models import internals, testing_ssd
 from deltalang import measures
+from deltalang.models import internals, testing_ssd
 from deltalang.runtime import ssd
 
 

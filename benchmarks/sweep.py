@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import interleaved, machine, qwen35_08b_shaped, tokenizer_for
 
 import deltalang
-from deltalang.runtime.model import wrap_model
 from deltalang.run import Experiment
+from deltalang.runtime.model import wrap_model
 from deltalang.sweep import run_sweeps
 
 TEXT = "The Eiffel Tower is in the city of Paris, and the Louvre is near the "  # cut to --tokens bytes

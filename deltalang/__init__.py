@@ -23,22 +23,22 @@ from typing import Any as _Any
 from .ground.version import __version__
 
 if _TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
-    from .models import families
+    from .ground.allocator import keep_freed_memory
+    from .ground.errors import DeltaError
     from .language.check import check
+    from .language.parse import parse
+    from .merge import load_results
+    from .models import families
+    from .models.spec import ModelSpec, load_spec
+    from .run import compile, run, run_sweep, sweep
     from .runs.collection import Collection
     from .runs.compiled import Experiment
     from .runs.dataset_run import DatasetResults
-    from .merge import load_results
-    from .sweep.attribution_dataset import DatasetAttribution
-    from .sweep.dataset import DatasetSweepResults
-    from .ground.errors import DeltaError
-    from .ground.allocator import keep_freed_memory
+    from .runs.results import Results
     from .runtime.kernels import route_kernels, routed
     from .runtime.model import DeltaModel, load_model
-    from .language.parse import parse
-    from .runs.results import Results
-    from .run import compile, run, run_sweep, sweep
-    from .models.spec import ModelSpec, load_spec
+    from .sweep.attribution_dataset import DatasetAttribution
+    from .sweep.dataset import DatasetSweepResults
 
 # public name -> the module (relative to the package) that defines it, or the module it is
 _LAZY: dict[str, str] = {

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .ground.errors import DeltaError, show_warnings_on_stderr
+from .ground.version import __version__
 from .options import (check_options, claim_out, parsed_program, read_program, refuse_ignored, refuse_over_dataset,
                       refuse_shard, refuse_unused_prompt, shard_joined)
-from .ground.version import __version__
 
 if TYPE_CHECKING:
     from .language.ast import Program
@@ -64,8 +64,8 @@ def _experiment(args: argparse.Namespace) -> Experiment:
 
 def info_main(args: argparse.Namespace) -> int:
     """`deltalang info [--model M]`: the model's blocks, kernels and the values each serves."""
-    from .runtime.info import format_info
     from .models.spec import load_spec
+    from .runtime.info import format_info
 
     spec = load_spec(args.model, trust_remote_code=getattr(args, "trust_remote_code", False))
     print(format_info(spec), end="")
@@ -76,10 +76,10 @@ def check_main(args: argparse.Namespace) -> int:
     """`deltalang check FILE | -e TEXT [--prompt P] [--model M]`: print the resolved program, or the errors."""
     import warnings
 
-    from .language.check import check
-    from .ground.errors import DeltaWarning
     from .compiler.explain import format_resolved
     from .compiler.plan import checked_plan
+    from .ground.errors import DeltaWarning
+    from .language.check import check
 
     try:
         text, filename = read_program(args)
@@ -115,13 +115,13 @@ def _over_dataset(args: argparse.Namespace) -> bool:
 
 def check_dataset(args: argparse.Namespace, text: str, filename: str) -> int:
     """`deltalang check` of a program over a dataset: its first record's plain program, and which records resolve."""
-    from .language import ast
-    from .runs.dataset_generate import check_note
-    from .runs.records import load_datasets
     from .compiler.explain import format_resolved
     from .ground.measures import refuse_per_token
+    from .language import ast
     from .language.resolve import resolve_records
     from .models.spec import load_spec
+    from .runs.dataset_generate import check_note
+    from .runs.records import load_datasets
 
     program = parsed_program(args).complete()
     refuse_over_dataset(args, program)  # --prompt; --align/--by without a sweep
@@ -178,10 +178,10 @@ def emit_main(args: argparse.Namespace) -> int:
     source, filename = read_program(args)
     if _over_dataset(args):  # a generate over a dataset: its largest group of records' forwards
         from .language.ast import ModelDecl
+        from .models.spec import load_spec
         from .runs.dataset_generate import describe
         from .runs.dataset_run import merge
         from .runs.records import load_datasets
-        from .models.spec import load_spec
 
         program = parsed_program(args).complete()
         model = args.model or next((i.name for i in program.items if isinstance(i, ModelDecl)), None)

@@ -19,13 +19,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .runs.collect import INDEX, MANIFEST as COLLECTION
+from .ground.datasets import Dataset, Record
+from .ground.errors import DeltaError
+from .runs.collect import INDEX
+from .runs.collect import MANIFEST as COLLECTION
 from .runs.collection import Collection
 from .runs.collection import load_results as load_saved
 from .runs.dataset_generate import DatasetGeneration, continuations_of, step_stats
 from .runs.dataset_run import DatasetResults, stats_by_measure, stats_of
-from .ground.datasets import Dataset, Record
-from .ground.errors import DeltaError
 from .runs.shards import DONE, MANIFEST, Shard, check_same, read_done, read_manifest, read_rows
 from .sweep.attribution_dataset import DatasetAttribution, cell_stats
 from .sweep.dataset import Normalise, cell_results

@@ -158,13 +158,13 @@ def _model(args: argparse.Namespace, namespace: dict[str, Any]) -> Any:
 
 def _run(args: argparse.Namespace, cell: str, namespace: dict[str, Any]) -> Any:
     """The cell as `deltalang run` / `sweep` runs it: DatasetResults, a SweepOutcome, or Results."""
-    from .language import ast
     from .cli import check_options
+    from .language import ast
+    from .language.parse import parse_partial
+    from .language.resolve import uses_dataset
     from .runs.compiled import Experiment, model_for
     from .runs.dataset_run import run_dataset
     from .runs.records import load_datasets
-    from .language.parse import parse_partial
-    from .language.resolve import uses_dataset
 
     check_options(args)
     model = _model(args, namespace)

@@ -18,16 +18,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from .language import ast
-from .runs.compiled import Experiment, model_for
-from .runs.dataset_run import DatasetResults, run_dataset
 from .ground.errors import DeltaError
+from .language import ast
 from .language.parse import Partial, parse_partial
 from .language.resolve import uses_dataset
+from .runs.compiled import Experiment, model_for
+from .runs.dataset_run import DatasetResults, run_dataset
 from .runs.results import Results
+from .runs.shards import from_env, shard_of
 from .sweep import run_sweep, run_sweeps, sweep
 from .sweep.attribution_dataset import DatasetAttribution
-from .runs.shards import from_env, shard_of
 from .sweep.dataset import DatasetSweepResults, run_dataset_sweep
 
 __all__ = ["REMOTE_REFUSAL", "Experiment", "Results", "compile", "run", "run_sweep", "sweep"]

@@ -53,8 +53,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deltalang.models import families, internals, testing_ssd
-from deltalang.runtime import kernels
 from deltalang.models.internals import cache_kwargs, output_cache
+from deltalang.runtime import kernels
 from deltalang.runtime.model import decoder, decoder_layers
 
 PER_TOKEN_INPUTS = ("attention_queries", "attention_keys", "attention_values", "decays", "betas")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from deltalang.ground import allocator
 from deltalang import cli
+from deltalang.ground import allocator
 
 GLIBC = platform.system() == "Linux" and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
 ROOT = Path(__file__).resolve().parents[1]

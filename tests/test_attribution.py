@@ -22,15 +22,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.models import families
-from deltalang.runtime import gradients
 from deltalang.language.ast import format_program
+from deltalang.models import families
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.runtime import gradients
 from deltalang.runtime.model import decoder_layers
 from deltalang.sweep import DeltaSweepError, attribution, paths
 from deltalang.sweep.attribution import path_start, target_of
 from deltalang.sweep.job import measure_label
 from deltalang.sweep.recompute import capture_clean, prefix_reads
-from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import Reference, Write, set_to  # noqa: E402

@@ -26,9 +26,9 @@ from reference import Reference, Write, set_to
 from test_cli import cli, one_error_line
 
 import deltalang
+from deltalang.ground.errors import DeltaError
 from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.runs.dataset_run import stats_of
-from deltalang.ground.errors import DeltaError
 from deltalang.sweep.attribution_dataset import DatasetAttribution
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),

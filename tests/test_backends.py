@@ -20,10 +20,10 @@ import torch
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 import deltalang
-from deltalang.runtime import backends, info, kernels
-from deltalang.models import families, internals
 from deltalang.ground.errors import DeltaError
+from deltalang.models import families, internals
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.runtime import backends, info, kernels
 
 PROMPT = "The Eiffel Tower is in"
 FAKE = "deltalang_fake_kernels"

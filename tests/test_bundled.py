@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
+from test_examples import printed_unit
 
 import deltalang.models.bundled
 from deltalang.models.bundled import measure, world
-from test_examples import printed_unit
 
 PATH = deltalang.models.bundled.PATH
 pytestmark = pytest.mark.skipif(not (PATH / "model.safetensors").exists(), reason="bundled model not built")

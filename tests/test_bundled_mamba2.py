@@ -14,8 +14,8 @@ import torch
 from reference import cache_after, states_written
 
 import deltalang
-from deltalang.models.bundled import MAMBA2_NAME, MAMBA2_PATH, MODELS, NAME, measure, world
 from deltalang.cli import main
+from deltalang.models.bundled import MAMBA2_NAME, MAMBA2_PATH, MODELS, NAME, measure, world
 from deltalang.models.testing_ssd import ssd_mixers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,8 +73,8 @@ def test_info_lists_its_mamba2_blocks(capsys: pytest.CaptureFixture[str]) -> Non
 def test_a_collection_names_a_mamba2_states_axes(tmp_path: Path, model: deltalang.DeltaModel) -> None:
     """A run over a dataset that reads a Mamba-2 state collects transformers' cached state after the subject
     (`[heads, head_dim, d_state]` per record) and its manifest names the axes so."""
-    from deltalang.runs.dataset_run import run_dataset
     from deltalang.models.testing import load_hf
+    from deltalang.runs.dataset_run import run_dataset
 
     rec = RECORDS[0]
     (tmp_path / "facts.jsonl").write_text(json.dumps(rec) + "\n", encoding="utf-8")

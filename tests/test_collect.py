@@ -21,12 +21,12 @@ import torch
 
 import deltalang
 import deltalang.models.bundled
-from deltalang.runs import collect
 from deltalang.cli import main
-from deltalang.models.internals import output_cache
-from deltalang.runs.dataset_run import run_dataset
 from deltalang.ground.errors import DeltaError
+from deltalang.models.internals import output_cache
 from deltalang.models.testing import load_hf
+from deltalang.runs import collect
+from deltalang.runs.dataset_run import run_dataset
 
 RECORDS = [
     {"prompt": "The Eiffel Tower is in the city of", "subject": "Eiffel Tower", "answer": " Paris"},

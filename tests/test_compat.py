@@ -20,12 +20,12 @@ from transformers import AutoTokenizer
 
 from deltalang import cli
 from deltalang.ground import compat
-from deltalang.runs import compiled
-from deltalang.models import internals
 from deltalang.ground.compat import UnsupportedVersion
+from deltalang.models import internals
 from deltalang.models.internals import cache_keyword, cache_kwargs, output_cache
-from deltalang.runtime.model import decoder_layers
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.runs import compiled
+from deltalang.runtime.model import decoder_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The Eiffel Tower is in Paris"

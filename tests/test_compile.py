@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-
 from typing import Any, Callable
 
 import pytest

@@ -18,19 +18,19 @@ import torch
 from reference import Reference, Write, zeros
 
 import deltalang
-from deltalang.language import ast
-from deltalang.models import families
-from deltalang.runtime import kernels
-from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
-from deltalang.runs.dataset_generate import DatasetGeneration
-from deltalang.runs.dataset_run import run_dataset
 from deltalang.ground.datasets import dataset_from_python
 from deltalang.ground.errors import DeltaError
+from deltalang.language import ast
 from deltalang.language.parse import parse
 from deltalang.language.resolve import resolve_records
 from deltalang.language.resolve.dataset import expand
+from deltalang.models import families
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.models.testing import load_hf, tiny_checkpoint
+from deltalang.runs.dataset_generate import DatasetGeneration
+from deltalang.runs.dataset_run import run_dataset
+from deltalang.runtime import kernels
 
 ROOT = Path(__file__).parents[1]
 LANDMARKS = [json.loads(x) for x in (ROOT / "examples/data/landmarks.jsonl").read_text(encoding="utf-8").splitlines()]
@@ -305,8 +305,9 @@ def test_a_decode_step_takes_each_records_donor_state(setup: Any) -> None:
     field's prompt leaves after its last token (transformers' cache after that prompt) starts new token 1's step
     in every linear block, the clean prompt's cache otherwise kept (its convolution windows, its attention);
     each step's P(answer) and the tokens as transformers gives them from that cache."""
-    from deltalang.models.internals import cache as hf_cache
     from reference import hf_forward, output_cache
+
+    from deltalang.models.internals import cache as hf_cache
 
     model, hf, records = setup
     records = [{**r, "corrupt": r.get("corrupt", r["prompt"][::-1] + "zz")} for r in records]

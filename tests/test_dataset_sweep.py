@@ -17,12 +17,12 @@ import torch
 from reference import Reference, Write, set_to
 
 import deltalang
-from deltalang.language import ast
-from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
-from deltalang.runs.dataset_run import stats_of
 from deltalang.ground.errors import DeltaError
+from deltalang.language import ast
 from deltalang.language.parse import parse
+from deltalang.models.bundled import PATH as BUNDLED
+from deltalang.runs.dataset_run import stats_of
 from deltalang.sweep.dataset import run_dataset_sweep
 from deltalang.sweep.plots import slug
 

@@ -18,10 +18,10 @@ from reference import Reference, Write, zeros
 
 import deltalang
 from deltalang.cli import main
-from deltalang.runs.dataset_run import stats_of
 from deltalang.ground.errors import DeltaError
-from deltalang.sweep.dataset import run_dataset_sweep
 from deltalang.models.testing import load_hf
+from deltalang.runs.dataset_run import stats_of
+from deltalang.sweep.dataset import run_dataset_sweep
 
 RECORDS = [  # three lengths, the subject at three places
     {"prompt": "The Eiffel Tower is in the city of", "subject": "Eiffel Tower"},

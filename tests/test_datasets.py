@@ -18,15 +18,15 @@ import torch
 from reference import Reference, Write, set_to
 
 import deltalang
-from deltalang.language import ast
-from deltalang.models.bundled import PATH as BUNDLED
-from deltalang.models.bundled import world
 from deltalang.cli import main
-from deltalang.runs.dataset_run import run_dataset, stats_of, t_quantile_975
 from deltalang.ground.datasets import dataset_from_python, load_dataset
 from deltalang.ground.errors import DeltaError, DeltaWarning
+from deltalang.language import ast
 from deltalang.language.parse import parse
 from deltalang.language.resolve import resolve_records
+from deltalang.models.bundled import PATH as BUNDLED
+from deltalang.models.bundled import world
+from deltalang.runs.dataset_run import run_dataset, stats_of, t_quantile_975
 
 ROOT = Path(__file__).parents[1]
 LANDMARKS = ROOT / "examples" / "data" / "landmarks.jsonl"
@@ -204,6 +204,7 @@ def test_records_of_different_lengths_share_forwards_and_each_equals_transformer
     from transformers import AutoModelForCausalLM
 
     from deltalang.runs.records import record_groups
+
     # k leading "The"s in both prompts: records of 8 to 11 tokens, each donor as long as its prompt
     records = [dict(r, prompt="The " * k + r["prompt"], corrupt="The " * k + r["corrupt"])
                for k, r in zip((3, 0, 2, 1, 3), RECORDS[4:9])]

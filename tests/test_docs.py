@@ -37,16 +37,17 @@ from test_cli import cli
 from test_examples import CELL_ATOL, DECIMAL, number_matches
 
 import deltalang
+from deltalang.ground.errors import DeltaWarning
 from deltalang.models import values
 from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.models.bundled import world
-from deltalang.ground.errors import DeltaWarning
 
 parse = importlib.import_module("deltalang.language.parse")  # `deltalang.parse` is also the function
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import regenerate_docs as regen  # noqa: E402 - the script that writes the outputs the pages show
+
 DOC = ROOT / "docs" / "language.md"
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 ERROR_LINE = re.compile(r"^\S+:\d+:\d+: error: ", re.M)

@@ -24,10 +24,10 @@ import torch
 from reference import Reference, Write, set_to
 
 import deltalang
-from deltalang.language import ast
 from deltalang.cli import main
 from deltalang.ground.datasets import dataset_from_python
 from deltalang.ground.errors import DeltaError, DeltaWarning, RecordsWarning
+from deltalang.language import ast
 from deltalang.language.parse import parse
 from deltalang.language.resolve import resolve_records
 from deltalang.models.spec import load_spec

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import deltalang
-from deltalang.models import families
-from deltalang.runtime import kernels
 from deltalang.ground.errors import DeltaModelError
-from deltalang.runtime.model import decoder_layers
+from deltalang.models import families
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.runtime import kernels
+from deltalang.runtime.model import decoder_layers
 
 PROMPT = "The Eiffel Tower is in"
 

@@ -45,10 +45,10 @@ from reference import Reference, Write, set_to  # noqa: E402
 
 import deltalang  # noqa: E402
 from deltalang.models import families  # noqa: E402
-from deltalang.runtime import backends, info, kernels  # noqa: E402
-from deltalang.runtime.model import decoder_layers  # noqa: E402
 from deltalang.models.spec import text_config  # noqa: E402
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint  # noqa: E402
+from deltalang.runtime import backends, info, kernels  # noqa: E402
+from deltalang.runtime.model import decoder_layers  # noqa: E402
 
 PROMPT = "Paris is in"  # 11 byte tokens: the interpreter is slow
 OTHER = "I like pizz"

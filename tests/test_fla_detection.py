@@ -23,9 +23,9 @@ import torch
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 import deltalang
-from deltalang.runtime import backends, info, kernels
 from deltalang.models import families, internals, testing_ssd
 from deltalang.models.testing import tiny_checkpoint
+from deltalang.runtime import backends, info, kernels
 
 FAMILY = "qwen3_5"
 BROKEN = "key contains names that are not kernel arguments: BT"

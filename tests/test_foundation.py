@@ -8,8 +8,8 @@ import pytest
 
 import deltalang
 from deltalang import cli
-from deltalang.models import families
 from deltalang.ground.errors import DeltaModelError
+from deltalang.models import families
 from deltalang.models.testing import FAMILY_NAMES, tiny_checkpoint
 
 

@@ -20,8 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltalang.language import ast
 from deltalang.ground.errors import DeltaError, DeltaErrors
+from deltalang.language import ast
 from deltalang.language.parse import KEYWORDS, parse
 from deltalang.language.resolve import resolve
 
@@ -324,9 +324,10 @@ _HEAD_WRITES = {  # arithmetic written to one head: its value from the head's ow
 def test_arithmetic_written_to_one_head_is_that_heads_value(source: str, bundled_model: Any) -> None:
     """`write L4.state_after(-1).head(1) += ...` ended in an internal AssertionError (emit had no arithmetic for one
     head): now the head's slice is the arithmetic over the head's slices, the other heads untouched."""
-    import deltalang
     from reference import Reference, Write
     from transformers import AutoModelForCausalLM
+
+    import deltalang
 
     clean, other = "The Eiffel Tower is in the city of", "My favourite food is pizza"
     text = (f'prompt clean = "{clean}"\nprompt other = "{other}"\ntrace t on clean {{\n'

@@ -17,8 +17,8 @@ import torch
 from rich.console import Console
 
 import deltalang
-from deltalang.models import bundled
 from deltalang.cli import main
+from deltalang.models import bundled
 
 PROMPT = "The Eiffel Tower is in the city of"
 GEN = f'prompt clean = "{PROMPT}"\ngenerate g on clean max_new_tokens {{n}} {{{{\n    read tokens\n}}}}\n'

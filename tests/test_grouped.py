@@ -18,9 +18,9 @@ from reference import Write
 from test_cli import cli
 
 import deltalang
+from deltalang.ground.errors import DeltaError
 from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.models.bundled import world
-from deltalang.ground.errors import DeltaError
 from deltalang.sweep.dataset import run_dataset_sweep
 from deltalang.sweep.grouped import group_by
 from deltalang.sweep.plots import curves

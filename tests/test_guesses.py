@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from deltalang.models.bundled import NAME, PATH
-from deltalang.language.check import check
 from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaWarning
+from deltalang.language.check import check
+from deltalang.models.bundled import NAME, PATH
 
 pytestmark = pytest.mark.skipif(not (PATH / "config.json").exists(), reason="the bundled model is not built")
 

@@ -15,11 +15,11 @@ import torch
 from reference import Record, Reference, Write
 
 import deltalang
+from deltalang.ground.errors import DeltaError
 from deltalang.language import ast
+from deltalang.language.parse import parse
 from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.models.bundled import world
-from deltalang.ground.errors import DeltaError
-from deltalang.language.parse import parse
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 

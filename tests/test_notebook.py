@@ -21,12 +21,12 @@ import nbformat
 import pytest
 import torch
 from nbclient import NotebookClient
+from reference import Reference, Write, zeros
 
 import deltalang
 import deltalang.models.bundled
 from deltalang.ground import html
 from deltalang.notebook import CellError, parse_line, run_cell
-from reference import Reference, Write, zeros
 
 ROOT = Path(__file__).resolve().parent.parent
 TOUR = ROOT / "examples" / "tour.ipynb"
@@ -257,8 +257,8 @@ def test_results_html_has_a_row_per_result_with_the_summary_s_text() -> None:
 
 
 def test_dataset_results_html() -> None:
-    from deltalang.runs.dataset_run import DatasetResults, MeasureStats
     from deltalang.ground.datasets import Dataset, Record
+    from deltalang.runs.dataset_run import DatasetResults, MeasureStats
 
     ds = Dataset("facts", "<data>", (Record(0, 1, {"q": "a"}), Record(1, 2, {"q": "<b>"})))
     out = DatasetResults(ds, (), (MeasureStats(PARIS, 0.5, 0.125, 1, 0.25, 0.75),), ((1, "no <token>"),))
@@ -276,8 +276,8 @@ def test_notebook_progress_counts_cells(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_dataset_sweep_results_html_is_its_summary_with_heatmaps() -> None:
-    from deltalang.runs.dataset_run import MeasureStats
     from deltalang.ground.datasets import Dataset, Record
+    from deltalang.runs.dataset_run import MeasureStats
     from deltalang.sweep.dataset import CellStats, DatasetSweepResults
 
     ds = Dataset("facts", "<data>", (Record(0, 1, {"q": "a"}), Record(1, 2, {"q": "<b>"})))

@@ -18,9 +18,9 @@ import torch
 from reference import Reference, Write
 
 import deltalang
-from deltalang.runtime import deltarule
 from deltalang.models import families, testing
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.runtime import deltarule
 
 LONG = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens: two chunks
 SHORT = "The Brandenburg Gate is in Berlin"  # left-padded beside LONG

@@ -26,15 +26,14 @@ from typing import Any
 import accelerate
 import pytest
 import torch
+from reference import Reference, Write, set_to
 from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang.ground.errors import DeltaModelError
+from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 from deltalang.runtime.model import wrap_model
 from deltalang.sweep import run_sweep
-from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
-
-from reference import Reference, Write, set_to
 
 PROMPT = "The Eiffel Tower is in Paris, and"
 PROGRAMS = '''prompt clean = "The Eiffel Tower is in"

@@ -20,12 +20,12 @@ from transformers import AutoModelForCausalLM
 import deltalang
 from deltalang.ground import display
 from deltalang.language.ir import SweepAxis
+from deltalang.models.testing import tiny_checkpoint
 from deltalang.runs.results import Results, named_shape
 from deltalang.sweep import run_sweep
 from deltalang.sweep.job import ResultRow
 from deltalang.sweep.plots import heatmap, plot_table
 from deltalang.sweep.table import SweepTable, render_tables
-from deltalang.models.testing import tiny_checkpoint
 
 CLEAN, OTHER = "The Eiffel Tower is in", "My favourite food is pizza"
 

@@ -24,10 +24,10 @@ import torch
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
 import deltalang
-from deltalang.runtime import kernels
-from deltalang.models.internals import cache_kwargs
 from deltalang.ground.errors import DeltaError
+from deltalang.models.internals import cache_kwargs
 from deltalang.models.testing import FAMILY_NAMES
+from deltalang.runtime import kernels
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

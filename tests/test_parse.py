@@ -10,10 +10,10 @@ from typing import Any, Callable
 import attrs
 import pytest
 
+from deltalang.compiler.explain import format_resolved
+from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaSyntaxError, Span
 from deltalang.language import ast
 from deltalang.language.check import check
-from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaSyntaxError, Span
-from deltalang.compiler.explain import format_resolved
 from deltalang.language.ir import Resolved
 from deltalang.language.parse import parse
 

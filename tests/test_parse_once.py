@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 import deltalang
-from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
 from deltalang.ground.errors import DeltaError
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.notebook import CellError, run_cell
 
 parse_module = importlib.import_module("deltalang.language.parse")  # `deltalang.parse` is the function

@@ -17,12 +17,12 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.language import ast
-from deltalang.ground.errors import DeltaError
 from deltalang.compiler.explain import format_resolved
+from deltalang.ground.errors import DeltaError
+from deltalang.language import ast
 from deltalang.language.parse import parse
-from deltalang.sweep import run_sweep
 from deltalang.models.testing import tiny_checkpoint
+from deltalang.sweep import run_sweep
 
 CLEAN = "The Eiffel Tower is in the city of"
 OTHER = "My favourite food is pizza with"

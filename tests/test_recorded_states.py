@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import deltalang
-from deltalang.models import internals, testing_ssd
 from deltalang.ground.errors import DeltaValueError
+from deltalang.models import internals, testing_ssd
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 
 RECORDS = hasattr(__import__("transformers").cache_utils.LinearAttentionCacheLayerMixin, "activate_past_recording")

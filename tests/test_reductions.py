@@ -18,11 +18,11 @@ import torch
 from reference import Largest
 
 import deltalang
-from deltalang.runtime import deltarule, kernels
-from deltalang.models import families
 from deltalang import measures
 from deltalang.ground.errors import DeltaError
+from deltalang.models import families
 from deltalang.models.testing import load_hf, tiny_checkpoint
+from deltalang.runtime import deltarule, kernels
 
 PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens
 FAMILIES = ("qwen3_5", "kimi_linear")
@@ -167,8 +167,8 @@ def test_the_streamed_reduction_never_makes_every_state(family: str, monkeypatch
 
 
 def test_check_prints_each_reduced_shape_and_emit_reduces_in_the_value_layer(tmp_path: Path) -> None:
-    from deltalang.language.check import check
     from deltalang.compiler.explain import format_resolved
+    from deltalang.language.check import check
     from deltalang.models.spec import load_spec
 
     spec = load_spec(tiny_checkpoint("qwen3_5"))
@@ -311,8 +311,8 @@ def test_projection_onto_a_difference_of_means_equals_transformers_by_hand(truth
 
 
 def test_check_prints_a_mean_direction_shape_and_a_wrong_one_is_located(tmp_path: Path) -> None:
-    from deltalang.language.check import check
     from deltalang.compiler.explain import format_resolved
+    from deltalang.language.check import check
     from deltalang.models.spec import load_spec
 
     spec = load_spec(tiny_checkpoint("qwen3_5"))

@@ -11,14 +11,14 @@ from typing import Any, Callable
 
 import pytest
 
-from deltalang.models import values
-from deltalang.language.check import check
 from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaResolveError
+from deltalang.language.check import check
 from deltalang.language.ir import FromRun, Mean, Named, Resolved, Scale, Zeros
 from deltalang.language.parse import parse
 from deltalang.language.resolve import resolve
-from deltalang.models.testing import FAMILY_NAMES
 from deltalang.language.tokens import tokenize
+from deltalang.models import values
+from deltalang.models.testing import FAMILY_NAMES
 
 CLEAN = "The Eiffel Tower is in the city of"  # 34 tokens
 OTHER = "My favourite food is pizza with"  # 31 tokens

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import deltalang
+from deltalang.ground.errors import DeltaError
 from deltalang.language import ast
+from deltalang.language.parse import parse
 from deltalang.models import families
-from deltalang.runtime import kernels
 from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.models.bundled import world
-from deltalang.ground.errors import DeltaError
-from deltalang.language.parse import parse
+from deltalang.runtime import kernels
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 import deltalang
-from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
+from deltalang.ground.errors import DeltaError
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.runs.collection import load_results as load_saved
 from deltalang.runs.dataset_run import run_dataset, stats_of
-from deltalang.ground.errors import DeltaError
 from deltalang.runs.shards import Shard, from_env, launch_device, read_rows, shard_of, split
 
 ROOT = Path(__file__).parents[1]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.cli import main
+from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.runs.shards import read_rows
 
 ROOT = Path(__file__).parents[1]

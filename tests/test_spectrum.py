@@ -18,8 +18,8 @@ import torch
 from reference import cache_after, hf_forward
 
 import deltalang
-from deltalang.models import testing_ssd
 from deltalang.ground.errors import DeltaError
+from deltalang.models import testing_ssd
 from deltalang.models.internals import output_cache
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
 

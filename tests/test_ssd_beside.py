@@ -19,9 +19,9 @@ from reference import hf_forward as _forward
 from reference import step_replaced
 
 import deltalang
+from deltalang.ground.errors import DeltaError
 from deltalang.models import internals, testing_ssd
 from deltalang.runtime import ssd
-from deltalang.ground.errors import DeltaError
 
 FAMILIES = ("bamba", "granitemoehybrid", "falcon_h1", "nemotron_h")
 PROMPT = "The Eiffel Tower is in Paris, o"  # 31 byte tokens: four of the tiny configs' chunks

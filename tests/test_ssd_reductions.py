@@ -21,9 +21,9 @@ from reference import Largest, cache_after, hf_forward, step_replaced
 
 import deltalang
 from deltalang import measures
-from deltalang.runtime import ssd
 from deltalang.models import testing_ssd
 from deltalang.models.internals import output_cache
+from deltalang.runtime import ssd
 
 FAMILIES = ("bamba", "granitemoehybrid")
 PROMPT = "The Eiffel Tower is in Paris, and the Gate is in Berlin."  # 56 byte tokens: past two of ssd's chunks

@@ -508,8 +508,8 @@ def test_a_write_in_every_hybrid_block_is_what_later_tokens_continue_from(name: 
 def test_check_and_explain_name_the_blocks_of_every_family(name: str) -> None:
     """`deltalang check`'s header names the Mamba-2 blocks (never "DeltaNet none"), the attention blocks and those
     with neither (nemotron_h's `mlp`); `L[attention]` selects attention blocks only, `L[ssm]` the Mamba-2 ones."""
-    from deltalang.ground.errors import DeltaError
     from deltalang.compiler.explain import format_resolved
+    from deltalang.ground.errors import DeltaError
 
     spec = deltalang.load_spec(testing_ssd.tiny_ssd_checkpoint(name))
     kinds = list(spec.config.layer_types)
@@ -697,8 +697,8 @@ def test_info_names_nemotron_h_moe_blocks_moe(tmp_path: Any) -> None:
     import json
     import shutil
 
-    from deltalang.runtime import info
     from deltalang.compiler.explain import describe_model
+    from deltalang.runtime import info
 
     src = testing_ssd.tiny_ssd_checkpoint("nemotron_h")
     for f in src.iterdir():

@@ -110,12 +110,11 @@ def test_import_deltalang_is_light_and_keeps_its_names() -> None:
 
 
 def test_the_public_names_are_their_homes() -> None:
-    from deltalang.runs import compiled, results
-    from deltalang.runtime import model
-    from deltalang.models import spec
-
     import deltalang.language.check  # noqa: F401 - importing the submodules must not rebind the functions
     import deltalang.run  # noqa: F401
+    from deltalang.models import spec
+    from deltalang.runs import compiled, results
+    from deltalang.runtime import model
 
     assert deltalang.Experiment is compiled.Experiment
     assert deltalang.load_model is model.load_model and deltalang.Results is results.Results

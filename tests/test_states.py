@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 import deltalang
 from deltalang.models import families
-from deltalang.runtime import kernels
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.runtime import kernels
 
 PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin, o"  # 70 byte tokens
 

@@ -19,8 +19,8 @@ import torch
 
 import deltalang
 from deltalang.cli import main as cli_main
-from deltalang.sweep import DeltaSweepError, run_sweep, sweep
 from deltalang.models.testing import FAMILY_NAMES, tiny_checkpoint
+from deltalang.sweep import DeltaSweepError, run_sweep, sweep
 
 CLEAN = "The Eiffel Tower is in"  # 22 byte tokens
 PROMPTS = '''prompt clean = "The Eiffel Tower is in"
@@ -211,8 +211,8 @@ def test_blocks_before_the_first_recomputed_one_keep_their_cache() -> None:
     """An attention block before every DeltaNet block sizes the masks: its prefix must be in the cache."""
     from transformers import AutoModelForCausalLM
 
-    from deltalang.runtime.model import wrap_model
     from deltalang.models.testing import _enlarge_random_weights, byte_tokenizer, tiny_config
+    from deltalang.runtime.model import wrap_model
 
     cfg = tiny_config("qwen3_5")
     cfg.layer_types = ["full_attention", "linear_attention", "full_attention", "linear_attention"]

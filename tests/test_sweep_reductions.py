@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from reference import Reference, Write
 
 import deltalang
 from deltalang.cli import main
 from deltalang.ground.errors import DeltaError
 from deltalang.models.testing import load_hf, tiny_checkpoint
-from reference import Reference, Write
 
 PROMPT = "The Eiffel Tower is in Paris, and the Brandenburg Gate is in Berlin"
 

@@ -15,13 +15,13 @@ from reference import Reference, Write, zeros
 from safetensors.torch import load_file
 
 import deltalang
-from deltalang.language import ast
 from deltalang.ground import display
-from deltalang.models.bundled import PATH as BUNDLED
-from deltalang.models.bundled import world
 from deltalang.ground.errors import DeltaError
 from deltalang.ground.measures import TopK, top
+from deltalang.language import ast
 from deltalang.language.parse import parse
+from deltalang.models.bundled import PATH as BUNDLED
+from deltalang.models.bundled import world
 from deltalang.runs.results import Results
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import deltalang
-from deltalang.models import bundled, values
-from deltalang.language.check import check
 from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaWarning
+from deltalang.language.check import check
+from deltalang.models import bundled, values
 
 PROMPT = "The Eiffel Tower is in the city of"
 HEAD = f'prompt clean = "{PROMPT}"\n'
@@ -261,8 +261,8 @@ def test_g_check_of_a_hundred_million_new_tokens_answers_at_once(capsys: pytest.
 def test_g_check_finds_what_the_whole_plan_finds(body: str, capsys: pytest.CaptureFixture) -> None:
     """The plan `check` builds refuses exactly what the full plan refuses, with the same words, and still does
     past the steps it enumerates."""
-    from deltalang.ground.errors import DeltaPlanError
     from deltalang.compiler.plan import build_plan, checked_plan
+    from deltalang.ground.errors import DeltaPlanError
 
     def outcome(make: Any, n: int) -> str:
         with warnings.catch_warnings():

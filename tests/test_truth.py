@@ -13,9 +13,9 @@ import torch
 from reference import Record, Reference, Write, kl, set_to
 
 import deltalang
+from deltalang.ground.errors import DeltaError
 from deltalang.models.bundled import PATH as BUNDLED
 from deltalang.models.bundled import world
-from deltalang.ground.errors import DeltaError
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").exists(), reason="the bundled model is not built")
 

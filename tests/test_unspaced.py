@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from deltalang import measures
-from deltalang.models.bundled import PATH
-from deltalang.language.check import check
-from deltalang.ground.errors import DeltaWarning
 from deltalang.compiler.explain import format_resolved
+from deltalang.ground.errors import DeltaWarning
+from deltalang.language.check import check
+from deltalang.models.bundled import PATH
 
 pytestmark = pytest.mark.skipif(not (PATH / "config.json").exists(), reason="the bundled model is not built")
 

@@ -11,11 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.runtime import kernels
-from deltalang.models.internals import cache_kwargs
 from deltalang.ground.errors import DeltaValueError
+from deltalang.models.internals import cache_kwargs
 from deltalang.models.spec import text_config
 from deltalang.models.testing import FAMILY_NAMES, load_hf, tiny_checkpoint
+from deltalang.runtime import kernels
 
 PROMPT = "The Eiffel Tower is in"  # 22 byte tokens
 OTHER = "My favourite food is pizza"

@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import deltalang
-from deltalang.runtime import kernels, mixer
 from deltalang.models.internals import cache_kwargs
-from deltalang.runtime.model import wrap_model
 from deltalang.models.spec import load_tokenizer
 from deltalang.models.testing import load_hf, tiny_checkpoint
+from deltalang.runtime import kernels, mixer
+from deltalang.runtime.model import wrap_model
 
 PROMPT = "The Eiffel Tower is in"
 OTHER = "My favourite food is pizza"

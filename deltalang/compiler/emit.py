@@ -15,11 +15,12 @@ import attrs
 
 from deltalang.ground import display, measures
 from deltalang.ground.errors import DeltaPlanError, Span
+from deltalang.ground.version import __version__
 from deltalang.language.ir import (HEAD_AXIS, Arith, Const, Donor, FromRun, Load, Mean, MeanDirection, Named, Scale,
                                    Steer, Zeros, expr_atoms)
+
 from .plan import HIDDEN, STATES_AS_RUN, Pass, Plan, PlanOp, RunPlan
 from .shown import Shown, shown
-from deltalang.ground.version import __version__
 
 INDENT = "    "
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from deltalang.language import ast
 from deltalang.ground import display
 from deltalang.ground.measures import UNSPACED_FACTOR
+from deltalang.language import ast
 from deltalang.language.ir import Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun, format_source, token_note
-from .plan import STATES_AS_RUN, Plan, PlanOp
-from deltalang.models.spec import ModelSpec
 from deltalang.language.tokens import decoded
+from deltalang.models.spec import ModelSpec
 
+from .plan import STATES_AS_RUN, Plan, PlanOp
 
 # ---- a resolved program (`deltalang check`) ---------------------------------------
 

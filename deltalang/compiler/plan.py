@@ -22,13 +22,14 @@ from typing import Any, Iterable
 import attrs
 import networkx as nx
 
-from deltalang.models import values
-from deltalang.language.ast import quote as ast_quote
-from .batches import BATCH_TOKENS, batch_stage, padding_refused, steps_bound
 from deltalang.ground.errors import DeltaPlanError, Span
-from .directions import mean_runs, plan_directions
+from deltalang.language.ast import quote as ast_quote
 from deltalang.language.ir import (FromRun, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun,
                                    logits_kept, op_result_name, operand_ops, with_donors)
+from deltalang.models import values
+
+from .batches import BATCH_TOKENS, batch_stage, padding_refused, steps_bound
+from .directions import mean_runs, plan_directions
 
 HIDDEN = "~"  # results whose key starts with this are internal (donor reads, mean inputs)
 

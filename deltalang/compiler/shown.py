@@ -17,6 +17,7 @@ from typing import Mapping
 import attrs
 
 from deltalang.models import values
+
 from .plan import STATES_AS_RUN, Plan, PlanOp
 
 

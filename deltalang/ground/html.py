@@ -209,8 +209,8 @@ def progress_bar(console: Any, total: int, unit: str, description: str) -> tuple
         bar = NotebookProgress(total, unit)
         bar.description = description
         return bar, 0
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
     from rich.table import Column
     from rich.text import Text
 

@@ -14,12 +14,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from . import ast
 from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaModelError, warn
-from .parse import Partial, parse_partial
-from .ir import Resolved
-from .resolve import resolve, uses_dataset
 from deltalang.models.spec import ModelSpec, load_spec
+
+from . import ast
+from .ir import Resolved
+from .parse import Partial, parse_partial
+from .resolve import resolve, uses_dataset
 
 
 def _spec_for(model: Any, program: ast.Program, trust_remote_code: bool = False) -> ModelSpec:

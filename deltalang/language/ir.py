@@ -16,10 +16,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import attrs
 
-from . import ast
 from deltalang.ground import display
 from deltalang.ground.errors import DeltaWarning, Span
 from deltalang.models.spec import ModelSpec
+
+from . import ast
 
 # ---- the resolved program ------------------------------------------------------
 

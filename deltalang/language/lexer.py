@@ -20,8 +20,8 @@ from typing import Iterable, Iterator
 from pygments import format as _format
 from pygments.formatters import TerminalFormatter
 from pygments.lexer import RegexLexer, words
-from pygments.token import (Comment, Error, Keyword, Name, Number, Operator, Punctuation, String, Text,
-                            Whitespace, _TokenType)
+from pygments.token import (Comment, Error, Keyword, Name, Number, Operator, Punctuation, String, Text, Whitespace,
+                            _TokenType)
 
 from deltalang.models import values
 

@@ -22,8 +22,9 @@ from lark import Tree as _LarkTree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 from lark.lark import PostLex
 
-from . import ast
 from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaSyntaxError, Span
+
+from . import ast
 
 GRAMMAR_PATH = Path(__file__).resolve().parent / "grammar" / "deltalang.lark"
 

@@ -16,7 +16,6 @@ from deltalang.ground.errors import DeltaResolveError
 from deltalang.models.spec import ModelSpec
 
 
-
 @attrs.frozen
 class PromptTokens:
     """A prompt as the model sees it: ids, each token's character span, each token's text decoded alone."""

@@ -13,9 +13,10 @@ from typing import Any
 
 import attrs
 
-from . import bundled, families, values
 from deltalang.ground import compat
 from deltalang.ground.errors import DeltaModelError
+
+from . import bundled, families, values
 
 
 @attrs.frozen

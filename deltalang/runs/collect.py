@@ -28,15 +28,16 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import torch
 
-from deltalang.language import ast
-from . import shard_file
-from .dataset_store import RecordProgress
 from deltalang.ground.datasets import Dataset
 from deltalang.ground.errors import DeltaError
+from deltalang.language import ast
 from deltalang.language.ir import Named, Resolved, ResolvedOp, site_text
 from deltalang.language.resolve import RecordResolution
-from .results import axis_names
 from deltalang.models.values import DELTANET
+
+from . import shard_file
+from .dataset_store import RecordProgress
+from .results import axis_names
 
 SHARD_BYTES = 256 * 2**20
 SHARD_SECONDS = 60.0  # a shard at least this often, whatever its size: what a kill can lose

@@ -27,11 +27,12 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Dataset as TorchDataset
 
-from .collect import INDEX, KIND, MANIFEST, PROGRESS, human
 from deltalang.ground.compat import pandas
-from .dataset_store import format_stats
 from deltalang.ground.datasets import left_out_lines
 from deltalang.ground.errors import DeltaError
+
+from .collect import INDEX, KIND, MANIFEST, PROGRESS, human
+from .dataset_store import format_stats
 from .results import Results
 from .shards import count_line, part_from
 

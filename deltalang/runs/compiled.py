@@ -19,18 +19,19 @@ import linecache
 import traceback
 from typing import Any, Callable, Mapping
 
-from deltalang.language import ast
-from deltalang.models.bundled import NAME
-from deltalang.language.check import check
 from deltalang.compiler.emit import emit
-from deltalang.ground.errors import DeltaError, DeltaWarning, Span, locating
 from deltalang.compiler.explain import format_plan
-from deltalang.ground.html import ProgressDisplay, progress_bar
-from deltalang.runtime.model import DeltaModel, load_model
-from deltalang.language.parse import Partial, parse, parse_partial
 from deltalang.compiler.plan import Plan, build_plan
-from .results import Results
 from deltalang.compiler.shown import shown
+from deltalang.ground.errors import DeltaError, DeltaWarning, Span, locating
+from deltalang.ground.html import ProgressDisplay, progress_bar
+from deltalang.language import ast
+from deltalang.language.check import check
+from deltalang.language.parse import Partial, parse, parse_partial
+from deltalang.models.bundled import NAME
+from deltalang.runtime.model import DeltaModel, load_model
+
+from .results import Results
 
 _MODELS: dict[tuple, DeltaModel] = {}
 

@@ -14,30 +14,31 @@ measure and step; `save(DIR)` writes results.csv, continuations.jsonl, summary.c
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from contextlib import nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping
 
 import attrs
 
-from deltalang.language import ast
-from deltalang.ground import html
-from deltalang.models.bundled import NAME
-from deltalang.ground.compat import pandas
-from .compiled import Experiment
-from .dataset_store import RecordProgress, format_stats, open_store, write_long_csv, write_summary
-from deltalang.ground.datasets import Dataset
 from deltalang.compiler.emit import emit
-from deltalang.ground.errors import DeltaError
 from deltalang.compiler.explain import format_plan
-from deltalang.language.ir import Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun
-from deltalang.runtime.model import DeltaModel
 from deltalang.compiler.plan import BATCH_TOKENS, Plan, build_plan, expand_measure_steps
+from deltalang.ground import html
+from deltalang.ground.compat import pandas
+from deltalang.ground.datasets import Dataset
+from deltalang.ground.errors import DeltaError
+from deltalang.language import ast
+from deltalang.language.ir import Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun
 from deltalang.language.resolve import RecordResolution, resolve_records
 from deltalang.language.resolve.dataset import measure_label
+from deltalang.models.bundled import NAME
+from deltalang.models.spec import ModelSpec
+from deltalang.runtime.model import DeltaModel
+
+from .compiled import Experiment
+from .dataset_store import RecordProgress, format_stats, open_store, write_long_csv, write_summary
 from .results import save_atomically
 from .shards import Part, count_line
-from deltalang.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from rich.console import Console

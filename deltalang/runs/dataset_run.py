@@ -22,26 +22,27 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import attrs
 
-from deltalang.language import ast
 from deltalang.ground import html
-from .collect import (SHARD_BYTES, SHARD_SECONDS, CollectStore, Collected, Slot, check_fits, collect_groups,
-                      estimate, reads_of, run_group, slots_of)
-from .collection import Collection
 from deltalang.ground.compat import pandas
+from deltalang.ground.datasets import Dataset, Record
+from deltalang.ground.errors import DeltaError, DeltaWarning, locating, warn
+from deltalang.ground.measures import UnspacedWarning, refuse_per_token
+from deltalang.language import ast
+from deltalang.language.ir import FromRun, Resolved, ResolvedRun
+from deltalang.language.parse import parse
+from deltalang.language.resolve import RecordResolution
+from deltalang.language.resolve.dataset import measure_label
+from deltalang.runtime.model import DeltaModel
+
+from .collect import (SHARD_BYTES, SHARD_SECONDS, Collected, CollectStore, Slot, check_fits, collect_groups, estimate,
+                      reads_of, run_group, slots_of)
+from .collection import Collection
 from .compiled import Experiment
 from .dataset_generate import DatasetGeneration, run_generate
 from .dataset_store import (RecordProgress, RecordStore, format_stats, open_store, program_meta, write_long_csv,
                             write_summary, write_summary_json)
-from deltalang.ground.datasets import Dataset, Record
-from deltalang.ground.errors import DeltaError, DeltaWarning, locating, warn
-from deltalang.language.ir import FromRun, Resolved, ResolvedRun
-from deltalang.ground.measures import UnspacedWarning, refuse_per_token
-from deltalang.runtime.model import DeltaModel
-from deltalang.language.parse import parse
-from deltalang.language.resolve import RecordResolution
-from deltalang.language.resolve.dataset import measure_label
-from .results import save_atomically
 from .records import close_records, open_records
+from .results import save_atomically
 from .shards import Part, count_line, finish
 
 if TYPE_CHECKING:

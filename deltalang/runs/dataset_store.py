@@ -15,9 +15,8 @@ line (rich; nothing without a console). Problems are DeltaErrors.
 
 from __future__ import annotations
 
-import hashlib
-
 import csv
+import hashlib
 import io
 import json
 import os
@@ -26,8 +25,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from deltalang.ground import display
 from deltalang.ground.errors import DeltaError
-from .shard_file import sync
 from deltalang.ground.html import NotebookProgress, ProgressDisplay
+
+from .shard_file import sync
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -28,6 +28,7 @@ from deltalang.language.ir import Mean, Named, Resolved
 from deltalang.language.resolve import RecordResolution, resolve_records
 from deltalang.language.resolve.dataset import dataset_decls
 from deltalang.models.spec import ModelSpec
+
 from .collect import collects, prepare
 from .dataset_generate import generate_groups, generates
 from .dataset_store import RecordStore

@@ -25,14 +25,14 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from deltalang.compiler.shown import named_kind
 from deltalang.ground import display, html
 from deltalang.ground.compat import pandas
 from deltalang.ground.errors import DeltaError
 from deltalang.ground.measures import TopK
-from deltalang.runtime.model import DeltaModel
-from deltalang.compiler.shown import named_kind
-from deltalang.models.values import CATALOGUE, DELTANET, MODEL_VALUES, shape_on
 from deltalang.ground.version import __version__
+from deltalang.models.values import CATALOGUE, DELTANET, MODEL_VALUES, shape_on
+from deltalang.runtime.model import DeltaModel
 
 NORM = "‖·‖F"  # how summaries name the Frobenius norm
 NONNEGATIVE = ("kl",)  # measures >= 0 in exact arithmetic: float noise below 0 is shown as 0

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import attrs
 
-from .dataset_store import META_NAME as PROGRESS
 from deltalang.ground.datasets import Dataset
 from deltalang.ground.errors import DeltaError
+
+from .dataset_store import META_NAME as PROGRESS
 
 if TYPE_CHECKING:
     from deltalang.language.resolve import RecordResolution

@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator
 import attrs
 import torch
 
-from deltalang.models import internals
 from deltalang.ground.errors import DeltaValueError
+from deltalang.models import internals
 
 MODES = ("auto", "reference", "compiled")
 _MODE = ["auto"]

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from deltalang.models import families
-from . import kernels, ssd
 from deltalang.ground.errors import DeltaValueError
+from deltalang.models import families
+
+from . import kernels, ssd
 
 # tokens per chunk of the Mamba-2 adjoint (`_ssd_adjoint`): a chunk's gradients are c x c x P x N products
 ADJOINT_CHUNK = 32

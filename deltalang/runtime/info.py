@@ -14,9 +14,10 @@ prints them and `support(kernels=True)` appends them to what serves a kernel's v
 
 from __future__ import annotations
 
-from . import backends, kernels
 from deltalang.models import values
 from deltalang.models.spec import ModelSpec
+
+from . import backends, kernels
 
 AVAILABLE = "available"
 

@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from . import backends
-from deltalang.models import families, internals
-from .deltarule import CHUNK, per_token, per_token_loop, prepare, read_state
 from deltalang.ground.errors import DeltaValueError
+from deltalang.models import families, internals
+
+from . import backends
+from .deltarule import CHUNK, per_token, per_token_loop, prepare, read_state
 
 
 class PackedSequencesError(DeltaValueError, ValueError):

@@ -24,13 +24,14 @@ import attrs
 import torch
 
 from deltalang.ground import compat
-from deltalang.models import families, values
-from . import kernels
 from deltalang.ground.errors import DeltaModelError
-from .info import support_table
-from .deltarule import reusing
-from .kernels import unwinding
 from deltalang.ground.quiet import quiet_transformers
+from deltalang.models import families, values
+
+from . import kernels
+from .deltarule import reusing
+from .info import support_table
+from .kernels import unwinding
 
 try:
     from nnsight import LanguageModel
@@ -39,7 +40,7 @@ try:
 except ImportError:  # an nnsight (or transformers) outside the supported range: one line naming it
     compat.check_versions()
     raise
-from deltalang.models.spec import ModelSpec, load_config, load_tokenizer, spec_from_config, _display_id
+from deltalang.models.spec import ModelSpec, _display_id, load_config, load_tokenizer, spec_from_config
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}

@@ -20,14 +20,14 @@ from typing import Any
 
 import attrs
 
-from deltalang.language import ast
 from deltalang.ground import measures
-from deltalang.runs.dataset_store import format_stats
 from deltalang.ground.datasets import Dataset, Record
 from deltalang.ground.errors import DeltaError
+from deltalang.language import ast
 from deltalang.language.ir import Resolved, ResolvedMeasure, ResolvedRun
 from deltalang.language.resolve.dataset import field_position
 from deltalang.models.spec import ModelSpec
+from deltalang.runs.dataset_store import format_stats
 
 COLUMNS = ("position", "token")  # the aligned position's label, the record's own token number
 _FIELD = re.compile(r"^\s*([A-Za-z_]\w*)\.([A-Za-z_]\w*)\s*(?:\[\s*(-?\d+)\s*\])?\s*$")

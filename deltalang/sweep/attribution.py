@@ -25,10 +25,11 @@ import attrs
 import torch
 
 from deltalang.ground import display
-from deltalang.runtime import gradients
-from deltalang.runs.compiled import Experiment
 from deltalang.language.ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
+from deltalang.runs.compiled import Experiment
+from deltalang.runtime import gradients
 from deltalang.runtime.model import DeltaModel
+
 from .errors import DeltaSweepError
 from .job import measure_label
 from .paths import (PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward,

@@ -25,15 +25,16 @@ import attrs
 
 from deltalang.ground import display, html
 from deltalang.ground.compat import pandas
-from deltalang.runs.compiled import Experiment
-from deltalang.runs.dataset_run import MeasureStats, stats_of
-from deltalang.runs.dataset_store import RecordProgress, write_long_csv, write_summary
 from deltalang.ground.datasets import Dataset, Record
 from deltalang.ground.errors import DeltaError
 from deltalang.language.ir import Resolved
-from deltalang.runtime.model import DeltaModel
+from deltalang.runs.compiled import Experiment
+from deltalang.runs.dataset_run import MeasureStats, stats_of
+from deltalang.runs.dataset_store import RecordProgress, write_long_csv, write_summary
 from deltalang.runs.results import save_atomically
 from deltalang.runs.shards import Part, Shard, count_line, read_done, read_rows
+from deltalang.runtime.model import DeltaModel
+
 from .attribution import (Attribution, AttributionRow, Target, attribute, check_path, default_steps, describe,
                           refine_cells, target_of)
 from .job import measure_label

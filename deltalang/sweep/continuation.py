@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from deltalang.models.internals import cache_kwargs
+
 from .errors import Unsupported
 
 MASK_MAKERS = {"full_attention": "create_causal_mask", "indexed_attention": "create_causal_mask",

@@ -23,33 +23,35 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from deltalang.language import ast
 from deltalang.ground import display
 from deltalang.ground.compat import pandas
+from deltalang.ground.datasets import Dataset, Record
+from deltalang.ground.errors import DeltaError
+from deltalang.language import ast
+from deltalang.language.ir import Resolved, ResolvedRun
+from deltalang.language.parse import parse
+from deltalang.language.resolve.dataset import axis_positions, field_prompt, measure_label
 from deltalang.runs.compiled import Experiment
 from deltalang.runs.dataset_run import MeasureStats, stats_of
 from deltalang.runs.dataset_store import (RecordProgress, RecordStore, format_stats, open_store, write_long_csv,
                                           write_summary)
-from deltalang.ground.datasets import Dataset, Record
-from deltalang.ground.errors import DeltaError
-from deltalang.language.ir import Resolved, ResolvedRun
-from deltalang.runtime.model import DeltaModel
-from deltalang.language.parse import parse
-from deltalang.language.resolve.dataset import axis_positions, field_prompt, measure_label
-from deltalang.runs.results import save_atomically
 from deltalang.runs.records import close_records, open_records
+from deltalang.runs.results import save_atomically
 from deltalang.runs.shards import Part, count_line, finish
+from deltalang.runtime.model import DeltaModel
+
 from .aligned import COLUMNS as TOKEN_COLUMNS
-from .aligned import Alignment, aligned_records, per_token_lines
+from .aligned import Alignment, aligned_records
 from .aligned import offset as _offset
 from .aligned import order as token_order
+from .aligned import per_token_lines
 from .attribution import Method, method_of
 from .attribution_dataset import DatasetAttribution, RecordProgram, attribute_records, marks, read_phase, refine_out
 from .driver import SweepOutcome, _console_for, run_sweeps
 from .grouped import Grouped, check_field, group_by
+from .inline import dataset_sweep_html
 from .job import Normalise
 from .job import measure_label as cell_measure_label
-from .inline import dataset_sweep_html
 from .plots import colour_label, heatmap, slug
 
 if TYPE_CHECKING:

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from deltalang.runtime.model import DeltaModel
-from deltalang.runs.compiled import Experiment
 from deltalang.ground.html import NotebookProgress, ProgressDisplay
+from deltalang.runs.compiled import Experiment
 from deltalang.runs.results import Results
+from deltalang.runtime.model import DeltaModel
+
 from .attribution import Attribution, attribute, method_of, refuse_estimated
 from .engine import Context, baselines, run_job
 from .errors import DeltaSweepError
@@ -73,15 +74,8 @@ class _Progress(ProgressDisplay):
         if console.is_jupyter:  # rich's live display needs ipywidgets there, and warns without it
             self.bar, self.task = NotebookProgress(total), 0
             return
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            ProgressColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
         from rich.text import Text
 
         class Rate(ProgressColumn):

@@ -27,9 +27,10 @@ import torch
 
 from deltalang.ground import measures
 from deltalang.language.ir import FromRun, Mean, Reduce, ResolvedMeasure, Scale, Zeros
+from deltalang.runs.compiled import Experiment
 from deltalang.runtime.kernels import routed
 from deltalang.runtime.model import DeltaModel
-from deltalang.runs.compiled import Experiment
+
 from .errors import Unsupported
 from .job import Cell, ResultRow, SweepJob, added_result_name, measure_label, start_of
 from .memory import chunks, waves

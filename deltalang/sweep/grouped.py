@@ -25,9 +25,10 @@ from typing import Any
 import attrs
 
 from deltalang.ground import display
+from deltalang.ground.errors import DeltaError
 from deltalang.runs.dataset_run import MeasureStats, stats_of
 from deltalang.runs.dataset_store import write_long_csv
-from deltalang.ground.errors import DeltaError
+
 from .plots import MAX_CURVES, colour_label, curves, heatmap, slug
 
 Point = tuple[tuple[str, str], ...]  # (variable, label as written)

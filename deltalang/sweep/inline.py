@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from deltalang.ground import display, html
 from deltalang.runs.results import for_display
+
 from .plots import colour_label, heatmap, plot_table, slug
 from .store import CSV_NAME
 

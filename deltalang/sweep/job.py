@@ -14,10 +14,11 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from deltalang.models import values
 from deltalang.language.ir import (FromRun, Load, Mean, Named, Resolved, ResolvedMeasure, ResolvedOp, ResolvedRun,
                                    Scale, Steer, measure_result_name)
+from deltalang.models import values
 from deltalang.runs.compiled import Experiment
+
 from .errors import DeltaSweepError
 from .support import Support, reference_run
 

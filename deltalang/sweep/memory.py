@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from deltalang.runtime.model import DeltaModel
+
 from .job import Cell, SweepJob, start_of
 from .recompute import decoder_config, device_of, weights_dtype
 

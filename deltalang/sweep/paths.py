@@ -22,11 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deltalang.models import families
-from deltalang.runtime import gradients
-from deltalang.models.internals import cache_kwargs
 from deltalang.language.ir import ResolvedMeasure
+from deltalang.models import families
+from deltalang.models.internals import cache_kwargs
+from deltalang.runtime import gradients
 from deltalang.runtime.model import DeltaModel, decoder_layers
+
 from .job import measure_label
 from .memory import memory_budget, row_bytes
 from .recompute import Capture, Row, capture_clean, capture_forward, device_of, dtype_of, prefix_reads, run_rows

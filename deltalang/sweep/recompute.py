@@ -26,6 +26,7 @@ from deltalang.models.internals import cache_keyword, cache_kwargs
 from deltalang.models.internals.cache import (ATTENTION_LAYOUT, HYBRID_LAYOUT, LINEAR_LAYOUT, NO_CACHE_LAYOUT, CacheOf,
                                               CacheUnsupported)
 from deltalang.runtime.model import DeltaModel, base_model, decoder
+
 from . import continuation
 from .errors import Unsupported
 from .job import Cell

@@ -23,6 +23,7 @@ from typing import Any
 
 from deltalang.runs.compiled import Experiment
 from deltalang.runs.shard_file import sync
+
 from .errors import DeltaSweepError
 from .job import Normalise, ResultRow, SweepJob
 

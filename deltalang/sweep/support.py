@@ -13,9 +13,10 @@ from typing import Any
 
 import attrs
 
-from deltalang.language.ir import FromRun, Named, Resolved, ResolvedOp, ResolvedRun, site_text
 from deltalang.compiler.plan import donor_key
+from deltalang.language.ir import FromRun, Named, Resolved, ResolvedOp, ResolvedRun, site_text
 from deltalang.runs.compiled import Experiment
+
 from .errors import DeltaSweepError
 
 SUPPORT = "sweep#"  # results keys of the values the engine asks the compiler for

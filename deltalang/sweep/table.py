@@ -20,9 +20,10 @@ import attrs
 from deltalang.ground import display
 from deltalang.ground.errors import DeltaWarning, Span, warn
 from deltalang.language.ir import ResolvedRun, SweepAxis
-from deltalang.runtime.model import DeltaModel
-from deltalang.runs.results import for_display
 from deltalang.language.tokens import decoded
+from deltalang.runs.results import for_display
+from deltalang.runtime.model import DeltaModel
+
 from .inline import table_html
 from .job import ResultRow
 from .store import CSV_NAME

@@ -12,6 +12,7 @@ from typing import Any
 
 from deltalang.language import ast
 from deltalang.language.parse import parse
+
 from .errors import DeltaSweepError
 
 

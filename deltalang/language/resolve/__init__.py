@@ -15,11 +15,12 @@ from typing import Mapping
 
 import attrs
 
-from .. import ast
 from deltalang.ground.datasets import Dataset, Record
 from deltalang.ground.errors import DeltaError, DeltaErrors
-from ..ir import Resolved, ResolvedRun
 from deltalang.models.spec import ModelSpec
+
+from .. import ast
+from ..ir import Resolved, ResolvedRun
 from .dataset import check_over, expand, uses_dataset
 from .declare import declare
 from .donors import donor_token_warnings, with_warnings

@@ -20,13 +20,14 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from .. import ast
 from deltalang.ground.datasets import Dataset, Record
 from deltalang.ground.errors import DeltaError, DeltaErrors, DeltaResolveError, Span
-from ..ir import ResolvedMeasure, measure_call_text, measure_result_name, site_text
 from deltalang.models.spec import ModelSpec
-from ..tokens import tokenize
 from deltalang.models.values import MODEL_VALUES
+
+from .. import ast
+from ..ir import ResolvedMeasure, measure_call_text, measure_result_name, site_text
+from ..tokens import tokenize
 
 PROMPT_FIELD = "prompt"
 MEASURE_TYPES = (ast.Prob, ast.Rank, ast.LogitDiff, ast.KL, ast.Norm)

@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .. import ast
 from deltalang.ground import display
 from deltalang.ground.errors import Span
+
+from .. import ast
 from .scope import Alias, Scope, n_tokens
 
 

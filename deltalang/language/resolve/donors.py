@@ -14,10 +14,11 @@ from typing import Any, Sequence
 
 import attrs
 
-from .. import ast
 from deltalang.ground import display
 from deltalang.ground.datasets import Dataset, Record
 from deltalang.ground.errors import RecordsWarning, Span
+
+from .. import ast
 from ..ir import FromRun, Resolved, ResolvedOp
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .. import ast
 from deltalang.ground.errors import Span
+
+from .. import ast
 from ..ir import FromRun, ResolvedRun, Scale, Steer, Zeros, expr_atoms
 from .scope import Ctx, Scope, Target
 

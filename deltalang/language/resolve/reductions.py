@@ -19,12 +19,13 @@ from typing import Any, Sequence
 
 import attrs
 
-from .. import ast
 from deltalang.ground import measures
 from deltalang.models import values
+from deltalang.models.spec import text_config
+
+from .. import ast
 from ..ir import (HEAD_AXIS, Arith, Const, Load, MeanDirection, Reduce, ResolvedMeasure, ResolvedOp,
                   measure_result_name, site_text)
-from deltalang.models.spec import text_config
 from .scope import Ctx, Scope, Target
 from .sites import targets
 from .sources import mean, tensor_header, value_shape

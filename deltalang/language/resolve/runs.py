@@ -15,11 +15,12 @@ from typing import Any, Iterator, Sequence
 
 import attrs
 
-from .. import ast
 from deltalang.ground import display
-from deltalang.models import values
 from deltalang.ground.errors import Span
+from deltalang.models import values
 from deltalang.models.spec import text_config
+
+from .. import ast
 from ..ir import (ResolvedMeasure, ResolvedOp, ResolvedRun, SweepAxis, measure_call_text, measure_result_name,
                   op_result_name, site_text)
 from ..tokens import decoded, spaced_twin, token_id

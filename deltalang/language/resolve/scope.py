@@ -16,11 +16,12 @@ from typing import Any, NoReturn, Sequence
 
 import attrs
 
-from .. import ast
-from deltalang.models import values
 from deltalang.ground.errors import DeltaError, DeltaResolveError, DeltaWarning, Span
-from ..ir import SweepAxis
+from deltalang.models import values
 from deltalang.models.spec import ModelSpec
+
+from .. import ast
+from ..ir import SweepAxis
 from ..tokens import PromptTokens, tokenize
 
 

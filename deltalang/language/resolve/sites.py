@@ -14,12 +14,13 @@ from typing import NoReturn
 
 import attrs
 
-from .. import ast
 from deltalang.ground import display
-from deltalang.models import values
 from deltalang.ground.errors import Span
-from ..ir import HEAD_AXIS
+from deltalang.models import values
 from deltalang.models.spec import ModelSpec
+
+from .. import ast
+from ..ir import HEAD_AXIS
 from ..tokens import PromptTokens
 from .scope import Ctx, Fail, Scope, Target
 

@@ -15,11 +15,12 @@ from typing import Any
 import attrs
 from safetensors import SafetensorError, safe_open
 
-from .. import ast
-from deltalang.models import values
 from deltalang.ground.errors import Span
-from ..ir import Arith, Const, FromRun, Load, Mean, Named, Scale, Steer, Zeros, expr_atoms, map_atoms
+from deltalang.models import values
 from deltalang.models.spec import text_config
+
+from .. import ast
+from ..ir import Arith, Const, FromRun, Load, Mean, Named, Scale, Steer, Zeros, expr_atoms, map_atoms
 from ..tokens import PromptTokens
 from .scope import Ctx, Fail, Scope, Target, did_you_mean, n_tokens, shape_class, shape_of
 from .sites import expand, index, piece, position_variable, unknown_value

@@ -13,6 +13,7 @@ from types import ModuleType
 from packaging.version import Version
 
 from deltalang.ground import compat
+
 from . import v5_21, v5_24, v5_25
 
 # (first release of the era, its adapter), oldest first; the first is pyproject's `>=` bound

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from deltalang.ground.errors import DeltaValueError
 from deltalang.models.internals import cache as hf_cache
+
 from .requests import Requests
 
 

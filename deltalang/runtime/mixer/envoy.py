@@ -19,10 +19,11 @@ import torch
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator
 
-from deltalang.models import values
 from deltalang.ground.errors import DeltaValueError
-from .requests import _POSITION
+from deltalang.models import values
+
 from .reduced import register
+from .requests import _POSITION
 from .site import MixerSite
 
 

@@ -19,8 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-from .. import deltarule
 from deltalang.ground.measures import Reduction
+
+from .. import deltarule
 
 NAME = "states_reduced"
 _KEYS = itertools.count()

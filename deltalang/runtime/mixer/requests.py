@@ -15,8 +15,8 @@ from typing import Any, Iterator
 import torch
 from nnsight.intervention.interleaver import Event, Interleaver, Mediator
 
-from deltalang.models import values
 from deltalang.ground.errors import DeltaValueError
+from deltalang.models import values
 
 DIRECT = "!direct"  # names of positions written through `MixerSite.direct`, without a trace
 # the values this package serves from inside the kernel call (the others are nnsight's own)

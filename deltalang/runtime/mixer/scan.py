@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .. import kernels, ssd
-from deltalang.models import values
 from deltalang.ground.errors import DeltaValueError
 from deltalang.ground.measures import Reduction
+from deltalang.models import values
+
+from .. import kernels, ssd
 from .reduced import _pending, _waiting
 from .requests import Requests
 from .rows import _invokes

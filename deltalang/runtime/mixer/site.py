@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from nnsight.intervention.interleaver import Interleaver
 
-from .. import deltarule, kernels
 from deltalang.ground.errors import DeltaValueError
 from deltalang.models.internals import cache as hf_cache
+
+from .. import deltarule, kernels
 from .conv import ConvWindows
 from .scan import SSDCall
 from .state import DeltaRuleCall

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .. import kernels
 from deltalang.ground.errors import DeltaValueError
+
+from .. import kernels
 from .reads import forward_for, read_only, serve_reads
 from .reduced import serve_reduced
 from .requests import Requests

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import deltarule, ssd
 from deltalang.ground.errors import DeltaValueError
+
+from .. import deltarule, ssd
 
 NAMES = ("write_keys", "write_values")
 # a write: (the keys written, the values written, which (row, token, head) wrote them `[b, s, h]`)
