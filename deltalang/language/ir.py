@@ -24,7 +24,6 @@ from . import ast
 
 # ---- the resolved program ------------------------------------------------------
 
-
 @attrs.frozen
 class FromRun:
     """Write the value a donor run reads at this site: the donor read this write implies."""
