@@ -19,6 +19,7 @@ import pytest
 from pygments.token import Error, Keyword, Name, Number, Operator, Punctuation, String, Token
 
 from deltalang import parse as _parse_fn  # noqa: F401 - the package face stays importable
+from deltalang.language import lexer
 from deltalang.language.lexer import DeltaLangLexer, highlight
 from deltalang.language.parse import GRAMMAR_PATH, KERNELS, KEYWORDS, MEASURES
 
