@@ -134,6 +134,18 @@ def test_pyproject_declares_the_ranges_compat_checks() -> None:
         assert compat.requirement(package) in deps, (package, deps)
 
 
+def test_the_ci_scripts_python_runs_here() -> None:
+    """The Python `.ci/run` runs inline (the eras it installs) imports what the package has: the suite never runs
+    it otherwise, and a module's move left it importing an old path (CI failed after the whole suite passed)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    blocks = re.findall(r"<<'PY'\n(.*?)\nPY\n", ci, re.S)
+    assert blocks, "no inline Python in .ci/run"
+    for block in blocks:
+        proc = subprocess.run([sys.executable, "-"], input=block, capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        assert len(proc.stdout.split()) >= 3, proc.stdout  # nnsight's newest, its oldest, the oldest transformers
+
+
 def test_torch_is_admitted_only_where_ci_runs_it() -> None:
     """torch's range holds the release `.ci/run` installs (and its CPU build) and no release CI never ran."""
     ci = (ROOT / ".ci" / "run").read_text()
