@@ -318,7 +318,7 @@ def test_a_second_copy_of_the_kernels_module_finds_transformers_functions() -> N
     bound = {n: kernels.bound(fam, n) for n in _kernel_globals(fam)}
     functions = {n: kernels.original(fam, n) for n in _kernel_globals(fam)}
     dispatchers = _kernel_globals(fam)
-    spec = importlib.util.spec_from_file_location("deltalang.runtime._kernels_reloaded", kernels.__file__)
+    spec = importlib.util.spec_from_file_location(f"{kernels.__package__}._kernels_reloaded", kernels.__file__)
     assert spec is not None and spec.loader is not None
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)
