@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .ground.errors import DeltaError, show_warnings_on_stderr
 from .ground.version import __version__
-from .options import (check_options, claim_out, parsed_program, read_program, refuse_ignored, refuse_over_dataset,
-                      refuse_shard, refuse_unused_prompt, shard_joined)
+from .options import (parsed_program, read_program, refuse_ignored, refuse_over_dataset, refuse_resume, refuse_shard,
+                      refuse_unswept, refuse_unused_prompt, run_checked, shard_joined)
 
 if TYPE_CHECKING:
     from .language.ast import Program
@@ -203,11 +203,12 @@ def run_main(args: argparse.Namespace) -> int:
     source, filename = read_program(args)
     if _over_dataset(args):  # a syntax error: `_experiment` reports it beside the resolver's errors
         return dataset_main(args, source, filename)
+    if not (parsed := parsed_program(args)).errors:
+        refuse_unswept(args, parsed.program, "runs one prompt")  # before the model loads
     exp = _experiment(args)
     if exp.has_sweeps:
         return sweep_main(args, exp)
-    if args.resume:
-        raise DeltaError("--resume continues a run over a dataset or a sweep; this program runs at once: drop it")
+    refuse_resume(args)
     t1 = time.perf_counter()
     results = exp.run(progress=True)  # a generate's steps on stderr, one line updated in place
     t2 = time.perf_counter()
@@ -221,27 +222,53 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 def dataset_main(args: argparse.Namespace, source: str, filename: str) -> int:
-    """`deltalang run FILE [--out DIR] [--strict]` of a program over a dataset: per-measure statistics."""
-    from .language import ast
-    from .runs.compiled import model_for
-    from .runs.dataset_run import FILES, run_dataset
-    from .runs.records import load_datasets
-
-    program = parsed_program(args).complete()
-    refuse_over_dataset(args, program)  # --prompt; --align without a sweep
-    t0 = time.perf_counter()
-    datasets = load_datasets(program, filename, None)  # the data's errors before a model loads
-    model = model_for(source, args.model, filename, program=program, device=args.device, dtype=args.dtype,
-                      trust_remote_code=args.trust_remote_code, device_map=args.device_map)
-    if any(isinstance(i, ast.Sweep) for i in program.items):
-        return dataset_sweep_main(args, source, filename, model, datasets, t0, program)
+    """`deltalang run | sweep FILE [--out DIR] [--strict] ...` of a program over a dataset: per-measure statistics,
+    a sweep's cells, or an attribution's estimates (`over_dataset`), then where they were written."""
     from rich.console import Console
 
-    out = run_dataset(source, model, filename=filename, strict=bool(getattr(args, "strict", False)),
-                      datasets=datasets, out=args.out, resume=bool(getattr(args, "resume", False)),
-                      console=Console(stderr=True), shard=args.shard, program=program)
+    t0 = time.perf_counter()
+    out = over_dataset(args, source, filename, parsed_program(args).complete(), args.model, Console(stderr=True))
     print(out.summary())
-    return _closing(args, t0, ", ".join(out.files() if hasattr(out, "files") else FILES))
+    return _closing(args, t0, written(out), getattr(out, "phase", None) == "estimates")  # a refine's phase 1
+
+
+def over_dataset(args: argparse.Namespace, source: str, filename: str, program: Program, model: Any,
+                 console: Any) -> Any:
+    """A program over a dataset (`program`: `source` parsed) run with every option of `args` as `deltalang run` and
+    `sweep` run it: the command line's and the notebook magic's one path. `model`: a DeltaModel, a path or hub id,
+    or None (the program's `model`, else the bundled one). DatasetResults, a DatasetGeneration, a collection's
+    results, DatasetSweepResults or a DatasetAttribution; `console` shows the progress."""
+    from .language import ast
+    from .runs.compiled import model_for
+    from .runs.dataset_run import run_dataset
+    from .runs.records import load_datasets
+    from .sweep.dataset import run_dataset_sweep
+
+    refuse_over_dataset(args, program)  # --prompt; --align/--by without a sweep
+    refuse_unswept(args, program, "runs over a dataset")  # --attribution, --normalise, ... without one
+    datasets = load_datasets(program, filename, None)  # the data's errors before a model loads
+    on = model_for(source, model, filename, program=program, device=args.device, dtype=args.dtype,
+                   trust_remote_code=args.trust_remote_code, device_map=args.device_map)
+    strict, resume = bool(getattr(args, "strict", False)), bool(getattr(args, "resume", False))
+    if not any(isinstance(i, ast.Sweep) for i in program.items):
+        return run_dataset(source, on, filename=filename, strict=strict, datasets=datasets, out=args.out,
+                           resume=resume, console=console, shard=args.shard, program=program)
+    refuse_ignored(args, bool(getattr(args, "attribution", False)))
+    return run_dataset_sweep(source, on, filename=filename, datasets=datasets, strict=strict,
+                             normalise=getattr(args, "normalise", None), out=args.out, by=getattr(args, "by", None),
+                             resume=resume, batch_size=getattr(args, "batch_size", None),
+                             engine="naive" if getattr(args, "naive", False) else "auto", progress=True,
+                             console=console, method="attribution" if getattr(args, "attribution", False) else None,
+                             path=getattr(args, "path", None), steps=getattr(args, "steps", None),
+                             refine=getattr(args, "refine", None), align=getattr(args, "align", None),
+                             shard=args.shard, refine_from=getattr(args, "refine_from", None), program=program)
+
+
+def written(out: Any) -> str:
+    """What a run over a dataset wrote into its --out, as the closing line names it."""
+    from .runs.dataset_run import FILES
+
+    return ", ".join(out.files() if hasattr(out, "files") else FILES)
 
 
 def _closing(args: argparse.Namespace, t0: float, files: str, estimated: bool = False) -> int:
@@ -255,33 +282,12 @@ def _closing(args: argparse.Namespace, t0: float, files: str, estimated: bool = 
     return 0
 
 
-def dataset_sweep_main(args: argparse.Namespace, source: str, filename: str, model: Any, datasets: Any,
-                       t0: float, program: Program) -> int:
-    """`deltalang sweep FILE [--out DIR] [--resume] [--normalise ...] [--strict]` over a dataset: a mean per cell."""
-    from rich.console import Console
-
-    from .sweep.dataset import FILES, run_dataset_sweep
-
-    refuse_ignored(args, bool(getattr(args, "attribution", False)))
-    err = Console(stderr=True)
-    out = run_dataset_sweep(source, model, filename=filename, datasets=datasets, strict=bool(getattr(args, "strict",
-                            False)), normalise=getattr(args, "normalise", None), out=args.out, by=args.by,
-                            resume=bool(getattr(args, "resume", False)), batch_size=getattr(args, "batch_size", None),
-                            engine="naive" if getattr(args, "naive", False) else "auto", progress=True, console=err,
-                            method="attribution" if getattr(args, "attribution", False) else None, path=args.path,
-                            steps=getattr(args, "steps", None), refine=getattr(args, "refine", None),
-                            align=args.align, shard=args.shard, refine_from=args.refine_from, program=program)
-    print(out.summary())
-    return _closing(args, t0, f"{', '.join(FILES)} and a heatmap per sweep and measure",
-                    getattr(out, "phase", None) == "estimates")  # a refine's phase 1
-
-
 def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
     """`deltalang sweep FILE [--out DIR] [--resume] [--batch-size N] [--normalise clean=A,corrupted=B]`."""
     from rich.console import Console
 
-    from .sweep import DeltaSweepError, render_tables, run_sweeps
-    from .sweep.attribution import attribute, method_of
+    from .sweep import render_tables
+    from .sweep.attribution import Attribution
 
     t0 = time.perf_counter()
     if exp is None:
@@ -291,38 +297,57 @@ def sweep_main(args: argparse.Namespace, exp: Experiment | None = None) -> int:
         exp = _experiment(args)
     err = Console(stderr=True)
     stdout = Console() if sys.stdout.isatty() else Console(width=200)  # logs keep whole tables
+    out = getattr(args, "out", None)
+    got = sweeps(args, exp, err, getattr(args, "command", "sweep") == "sweep")
+    if isinstance(got, Attribution):  # method attribution: estimates, the top cells exact
+        print(got.table(max(20, len(got.refined()))))
+        err.print(f"wrote {got.files[0]}" if got.files else "", f"({time.perf_counter() - t0:.1f} s)")
+        return 0
+    for table in got.tables:
+        for item in render_tables(table):
+            stdout.print(item)
+    cell_prefixes = tuple(f"{t.name}[" for t in got.tables)
+    others = {k: v for k, v in got.results.items() if not k.startswith(cell_prefixes)}
+    if others:
+        print(exp.results_of(others).summary())  # what each holds, as `run` shows a program without sweeps
+    if out is not None:
+        err.print(f"wrote {out}/: {swept(got, out)}", highlight=False)
+    err.print(f"({time.perf_counter() - t0:.1f} s)", highlight=False)
+    return 0
+
+
+def sweeps(args: argparse.Namespace, exp: Experiment, console: Any, note_unsaved: bool = False) -> Any:
+    """A one-prompt program with sweeps run with every option of `args` (the command line's and the notebook
+    magic's one path): by attribution (its `method attribution` or --attribution) an Attribution, else a
+    SweepOutcome, saved in --out. `note_unsaved`: say on `console` that nothing is saved without --out."""
+    from .sweep import DeltaSweepError, run_sweeps
+    from .sweep.attribution import attribute, method_of
+
     if not exp.has_sweeps:
         raise DeltaSweepError("the program has no sweep: run it with `deltalang run`")
     out = getattr(args, "out", None)
     how = method_of(exp, "attribution" if getattr(args, "attribution", False) else None, getattr(args, "steps", None),
                     getattr(args, "refine", None), getattr(args, "path", None))
     refuse_ignored(args, how is not None, exp)
-    if how is not None:  # method attribution (the program's or --attribution): estimates, the top cells exact
-        got = attribute(exp, steps=how.steps, refine=how.refine, out=out, exact=run_sweeps, path=how.path)
-        print(got.table(max(20, how.refine)))
-        err.print(f"wrote {got.files[0]}" if got.files else "", f"({time.perf_counter() - t0:.1f} s)")
-        return 0
-    if out is None and getattr(args, "command", "sweep") == "sweep":
-        err.print("note: no --out, so nothing is saved as cells finish (give --out DIR to keep a CSV and plots)",
-                  highlight=False)
+    if how is not None:
+        return attribute(exp, steps=how.steps, refine=how.refine, out=out, exact=run_sweeps, path=how.path)
+    if out is None and note_unsaved:
+        console.print("note: no --out, so nothing is saved as cells finish (give --out DIR to keep a CSV and plots)",
+                      highlight=False)
     outcome = run_sweeps(exp, out=out, resume=bool(getattr(args, "resume", False)),
                          batch_size=getattr(args, "batch_size", None), normalise=getattr(args, "normalise", None),
-                         progress=True, console=err, engine="naive" if getattr(args, "naive", False) else "auto")
-    for table in outcome.tables:
-        for item in render_tables(table):
-            stdout.print(item)
-    cell_prefixes = tuple(f"{t.name}[" for t in outcome.tables)
-    others = {k: v for k, v in outcome.results.items() if not k.startswith(cell_prefixes)}
-    if others:
-        print(exp.results_of(others).summary())  # what each holds, as `run` shows a program without sweeps
+                         progress=True, console=console, engine="naive" if getattr(args, "naive", False) else "auto")
     if out is not None:
         outcome.results.save(out)
-        shown = ", ".join(str(f.relative_to(out)) if f.is_relative_to(out) else str(f) for f in outcome.files)
-        code = outcome.results.code_file
-        saved = ", ".join(f for f in outcome.results.files() if f != code)
-        err.print(f"wrote {out}/: {shown}, {saved}, {code} (the sweeps' reference form)", highlight=False)
-    err.print(f"({time.perf_counter() - t0:.1f} s)", highlight=False)
-    return 0
+    return outcome
+
+
+def swept(outcome: Any, out: str) -> str:
+    """What a one-prompt sweep (`outcome`, a SweepOutcome) wrote into its --out `out`, as the closing line names it."""
+    shown = ", ".join(str(f.relative_to(out)) if f.is_relative_to(out) else str(f) for f in outcome.files)
+    code = outcome.results.code_file
+    saved = ", ".join(f for f in outcome.results.files() if f != code)
+    return f"{shown}, {saved}, {code} (the sweeps' reference form)"
 
 
 def merge_main(args: argparse.Namespace) -> int:
@@ -424,19 +449,6 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError))
 
 
-def _command(args: argparse.Namespace, func: Callable[[argparse.Namespace], int]) -> int:
-    """The command, its options checked and its `--out` claimed; a run that fails leaves nothing that looks like
-    results there (`results.OutDir.failed`)."""
-    check_options(args)
-    claim = claim_out(args)
-    try:
-        return func(args)
-    except BaseException:
-        if claim is not None:
-            claim.failed()
-        raise
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; the one place that turns every exception into one line and an exit status."""
     args = build_parser().parse_args(shard_joined(sys.argv[1:] if argv is None else list(argv)))
@@ -444,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     show_warnings_on_stderr()  # a program's warnings, rendered like its errors
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return _command(args, func)
+        return run_checked(args, func)
     except DeltaError as e:
         print(e.render(), file=sys.stderr)
         return 1

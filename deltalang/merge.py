@@ -7,8 +7,8 @@
 model, kind, split or N, an unfinished one, or an attribution's part estimated but not refined, is a
 DeltaError naming it), then writes into DIR what the unsharded run writes, from the parts' files alone:
 rows in record order with statistics over every record, a generate's continuations, a collection's index
-and manifest (written last) over every part, a dataset sweep's or attribution's cells. Merging again gives
-the same files; `shards.json` then says `merged`.
+and manifest (written last) over every part, a dataset sweep's cells (and its groups, under `--by`) or an
+attribution's. Merging again gives the same files; `shards.json` then says `merged`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from .ground.datasets import Dataset, Record
 from .ground.errors import DeltaError
@@ -151,8 +153,14 @@ def _sweep(dirs: list[Path], ds: Dataset, header: list[str], rows: list[dict[str
     tokens = "position" in header  # per-token measures (`sweep.aligned`): a token's rows, a cell's other rows
     rows = [{k: int(v) if k == "token" and v != "" else v for k, v in r.items()
              if k not in (*variables, "position", "token") or v != ""} for r in rows]
-    return cell_results(ds, rows, skipped, axes, program, Normalise.parse(first["normalise"]),
-                        first.get("align") if tokens else None)
+    got = cell_results(ds, rows, skipped, axes, program, Normalise.parse(first["normalise"]),
+                       first.get("align") if tokens else None)
+    by = {d: _summary(d).get("by") for d in dirs}  # `--by FIELD`: the merged run's groups too
+    if len(set(by.values())) > 1:
+        said = "; ".join(f"{d.name}: {f'--by {f}' if f else 'no --by'}" for d, f in by.items())
+        raise DeltaError(f"the shards grouped their records differently ({said}): rerun the others with --resume and "
+                         f"the same --by (their records are done: only their files are rewritten), then merge")
+    return attrs.evolve(got, grouped_by=by[dirs[0]])
 
 
 def _attribution(dirs: list[Path], ds: Dataset, header: list[str], rows: list[dict[str, Any]],

@@ -6,10 +6,12 @@
 
 The cell is a `.dl` program; the line takes the options of `deltalang run` and `deltalang sweep`
 (`cli.build_parser`), `-o NAME` stores the result in a notebook variable, and `--model NAME` may name a
-variable holding a `DeltaModel` (else models load once per kernel). The value (shown as HTML) is what
-`deltalang run` gives: `Results`, `DatasetResults` or a `SweepOutcome`. A mistake shows as on the command
-line, never a traceback (`<cell>:line:col: error: ...` with a caret; a refused option as one line), and
-the cell fails; warnings show the same way and the cell goes on. Loading the extension quiets transformers.
+variable holding a `DeltaModel` (else models load once per kernel). The options mean what they mean there:
+the cell goes through the command line's own paths (`options.run_checked`, `cli.over_dataset`, `cli.sweeps`),
+so an option the program would ignore is refused as there. The value (shown as HTML) is what `deltalang run`
+gives: `Results`, `DatasetResults`, a sweep's or an attribution's results, or a `SweepOutcome`. A mistake
+shows as on the command line, never a traceback (`<cell>:line:col: error: ...` with a caret; a refused option
+as one line), and the cell fails; warnings show the same way and the cell goes on. Loading the extension quiets transformers.
 """
 
 from __future__ import annotations
@@ -18,12 +20,9 @@ import argparse
 import shlex
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 from .ground.errors import DeltaError, DeltaWarning
-
-if TYPE_CHECKING:
-    from .language.ast import Program
 
 CELL = "<cell>"  # the program's file name in messages
 
@@ -104,6 +103,7 @@ def run_cell(line: str, cell: str, namespace: dict[str, Any]) -> Any:
     """Run one `%%deltalang` cell (the module's contract); returns its value, or raises CellError."""
     from .cli import _first_line, _out_of_memory
     from .ground.quiet import quiet_transformers
+    from .options import run_checked
 
     args: argparse.Namespace | None = None
     try:
@@ -113,7 +113,7 @@ def run_cell(line: str, cell: str, namespace: dict[str, Any]) -> Any:
         quiet_transformers()
         with warnings.catch_warnings():
             _show_delta_warnings()
-            value = _run(args, cell, namespace)
+            value = run_checked(args, lambda a: _run(a, cell, namespace), cell)  # --out claimed for the cell
     except DeltaError as e:
         raise CellError(e.render()) from None
     except KeyboardInterrupt:
@@ -157,68 +157,41 @@ def _model(args: argparse.Namespace, namespace: dict[str, Any]) -> Any:
 
 
 def _run(args: argparse.Namespace, cell: str, namespace: dict[str, Any]) -> Any:
-    """The cell as `deltalang run` / `sweep` runs it: DatasetResults, a SweepOutcome, or Results."""
-    from .cli import check_options
-    from .language import ast
-    from .language.parse import parse_partial
-    from .language.resolve import uses_dataset
-    from .runs.compiled import Experiment, model_for
-    from .runs.dataset_run import run_dataset
-    from .runs.records import load_datasets
-
-    check_options(args)
-    model = _model(args, namespace)
-    load = dict(device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                device_map=args.device_map)
-    parsed = parse_partial(cell, CELL)  # the one parse; its errors as the command line's, beside the resolver's
-    if not parsed.errors and uses_dataset(program := parsed.program):
-        if args.prompt is not None:
-            raise DeltaError("--prompt does not apply to a program over a dataset: its prompts are the records'")
-        datasets = load_datasets(program, CELL, None)  # the data's errors before a model loads
-        on = model_for(cell, model, CELL, program=program, **load)
-        if any(isinstance(i, ast.Sweep) for i in program.items):
-            return _dataset_sweep(args, cell, on, datasets, program)
-        out = run_dataset(cell, on, filename=CELL, strict=args.strict, datasets=datasets, program=program)
-        if args.out is not None:
-            print(f"wrote {out.save(args.out)}/", file=sys.stderr)
-        return out
-    exp = Experiment.from_source(cell, model, filename=CELL, prompt=args.prompt, program=parsed, **load)
-    if exp.has_sweeps:
-        return _sweep(args, exp)
+    """The cell as `deltalang run` / `sweep` runs it (options checked, --out claimed): the results it gives."""
     from rich.console import Console
 
-    results = exp.run(progress=Console(stderr=True, soft_wrap=True))  # a generate's steps, one line in place
+    from .cli import over_dataset, sweeps, swept, written
+    from .language.parse import parse_partial
+    from .language.resolve import uses_dataset
+    from .options import refuse_align, refuse_resume, refuse_unswept
+    from .runs.compiled import Experiment
+    from .runs.shards import wrote
+    from .sweep.attribution import Attribution
+
+    model = _model(args, namespace)
+    console = Console(stderr=True, soft_wrap=True)  # progress: one line in place
+    parsed = parse_partial(cell, CELL)  # the one parse; its errors as the command line's, beside the resolver's
+    if not parsed.errors and uses_dataset(program := parsed.program):
+        out = over_dataset(args, cell, CELL, program, model, console)
+        if args.out is not None:
+            print(wrote(args.out, None, written(out)), file=sys.stderr)
+        return out
+    refuse_align(args)  # --align/--by: a sweep over a dataset's
+    if not parsed.errors:
+        refuse_unswept(args, parsed.program, "runs one prompt")  # --attribution, --normalise, ... without a sweep
+    exp = Experiment.from_source(cell, model, filename=CELL, prompt=args.prompt, program=parsed, device=args.device,
+                                 dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                                 device_map=args.device_map)
+    if exp.has_sweeps:
+        got = sweeps(args, exp, console)
+        if isinstance(got, Attribution):
+            if got.files:
+                print(f"wrote {got.files[0]}", file=sys.stderr)
+        elif args.out is not None:
+            print(f"wrote {args.out}/: {swept(got, args.out)}", file=sys.stderr)
+        return got
+    refuse_resume(args)
+    results = exp.run(progress=console)  # a generate's steps, one line in place
     if args.out is not None:
         print(f"wrote {results.save(args.out)}/: {', '.join(results.files())}", file=sys.stderr)
     return results
-
-
-def _sweep(args: argparse.Namespace, exp: Any) -> Any:
-    """A program with sweeps through the sweep driver, its progress in the notebook; a SweepOutcome."""
-    from rich.console import Console
-
-    from .sweep import run_sweeps
-
-    outcome = run_sweeps(exp, out=args.out, resume=args.resume, batch_size=args.batch_size,
-                         normalise=args.normalise, progress=True, console=Console(stderr=True, soft_wrap=True),
-                         engine="naive" if args.naive else "auto")
-    if args.out is not None:
-        outcome.results.save(args.out)
-        print(f"wrote {args.out}/: sweep.csv, sweep.json, the plots, {', '.join(outcome.results.files())}",
-              file=sys.stderr)
-    return outcome
-
-
-def _dataset_sweep(args: argparse.Namespace, cell: str, model: Any, datasets: Any, program: Program) -> Any:
-    """A program with sweeps over a dataset (`sweep.dataset`; `program`: the cell parsed): its DatasetSweepResults."""
-    from rich.console import Console
-
-    from .sweep.dataset import run_dataset_sweep
-
-    out = run_dataset_sweep(cell, model, filename=CELL, datasets=datasets, strict=args.strict,
-                            normalise=args.normalise, out=args.out, resume=args.resume, batch_size=args.batch_size,
-                            engine="naive" if args.naive else "auto", progress=True,
-                            console=Console(stderr=True, soft_wrap=True), program=program)
-    if args.out is not None:
-        print(f"wrote {args.out}/", file=sys.stderr)
-    return out

@@ -6,9 +6,12 @@ that text parsed once (`parse.parse_partial`, kept on `args.parsed`), the tree e
 `--device`, `--remote`, an `--out` that cannot be written), and combinations that mean nothing (`--naive`
 with `--attribution`, `--resume` or `--replace` without `--out`; `--refine-from DIR` is the `--out`).
 `claim_out(args)` claims the `--out` directory for the program (`results.claim_out_dir`: never results
-beside another program's). `refuse_unused_prompt` (a `--prompt` no statement uses), `refuse_shard` and `refuse_over_dataset` (`--shard`, `--align`, `--by`,
-`--prompt` where the program would ignore them) and `refuse_ignored` (an exact sweep's options under attribution; a
-`--normalise` whose two runs are one) are DeltaErrors where `cli` knows the program.
+beside another program's); `run_checked(args, func)` runs a command between the two (the command line's and
+the notebook magic's way in). `refuse_resume` (`--resume` of a program that runs at once),
+`refuse_unused_prompt` (a `--prompt` no statement uses), `refuse_unswept` (a sweep's options without one),
+`refuse_shard` and `refuse_over_dataset` (`--shard`, `--align`, `--by`, `--prompt` where the program would ignore
+them) and `refuse_ignored` (an exact sweep's options under attribution; a `--normalise` whose two runs are one) are
+DeltaErrors where `cli` knows the program.
 `launch_defaults(args)`: under `torchrun` or `accelerate launch`, `--shard` from RANK/WORLD_SIZE and `--device`
 from LOCAL_RANK where not given (`deltalang.runs.shards`). `shard_joined(argv)`: `--shard -1/2` as `--shard=-1/2`, so
 that a negative shard is deltalang's one line, not argparse's usage. Imports are lazy, so `deltalang --help` loads nothing.
@@ -20,9 +23,11 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .ground.errors import DeltaError
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from .language.ast import Program
@@ -158,8 +163,29 @@ def check_options(args: argparse.Namespace) -> None:
         raise DeltaError("--resume continues the run in --out, --replace deletes it: give one of them")
 
 
-def claim_out(args: argparse.Namespace) -> Any:
-    """The `--out` directory claimed for this program (`results.claim_out_dir`), or None without --out."""
+def run_checked(args: argparse.Namespace, func: Callable[[argparse.Namespace], T], source: str | None = None) -> T:
+    """`func(args)` with its options checked first (`check_options`) and its `--out` claimed for the program
+    (`claim_out`; `source`: its text where `args` name no file, a notebook cell's); a run that fails leaves nothing
+    that looks like results there (`results.OutDir.failed`). The command line's and the notebook magic's way in."""
+    check_options(args)
+    claim = claim_out(args, source)
+    try:
+        return func(args)
+    except BaseException:
+        if claim is not None:
+            claim.failed()
+        raise
+
+
+def refuse_resume(args: argparse.Namespace) -> None:
+    """`--resume` of a one-prompt program without sweeps (it runs at once): an error."""
+    if getattr(args, "resume", False):
+        raise DeltaError("--resume continues a run over a dataset or a sweep; this program runs at once: drop it")
+
+
+def claim_out(args: argparse.Namespace, source: str | None = None) -> Any:
+    """The `--out` directory claimed for this program (`results.claim_out_dir`; `source`: its text, else
+    `read_program`'s), or None without --out."""
     if getattr(args, "out", None) is None:
         return None
     from .runs.results import claim_out_dir
@@ -171,7 +197,8 @@ def claim_out(args: argparse.Namespace) -> Any:
         from .runs.shards import resumes
 
         resume = resumes(Path(out), resume)
-    return claim_out_dir(out, read_program(args)[0], resume=resume, replace=args.replace)
+    return claim_out_dir(out, read_program(args)[0] if source is None else source, resume=resume,
+                         replace=getattr(args, "replace", False))
 
 
 def refuse_shard(args: argparse.Namespace) -> None:
@@ -206,6 +233,21 @@ def refuse_align(args: argparse.Namespace, what: str = "runs one prompt") -> Non
         if getattr(args, flag, None) is not None:
             raise DeltaError(f"--{flag} {getattr(args, flag)} {does} in a sweep over a dataset; this program {what}: "
                              "drop it")
+
+
+SWEEP_OPTIONS = ("attribution", "steps", "refine", "path", "refine_from", "normalise", "batch_size", "naive")
+
+
+def refuse_unswept(args: argparse.Namespace, program: Program, what: str) -> None:
+    """The options of a sweep (`SWEEP_OPTIONS`: `--attribution`, `--normalise`, ...) given for a program without one
+    (`program`, parsed; `what` it does): an error, as it would ignore them (checked before a model loads)."""
+    from .language import ast
+
+    given = [f"--{o.replace('_', '-')}" for o in SWEEP_OPTIONS
+             if (v := getattr(args, o, None)) is not None and v is not False]  # `--steps 0` is given
+    if given and not any(isinstance(i, ast.Sweep) for i in program.items):
+        raise DeltaError(f"{', '.join(given)}: {'an option' if len(given) == 1 else 'options'} of a sweep; this "
+                         f"program {what} and has no sweep: drop {'it' if len(given) == 1 else 'them'}")
 
 
 def refuse_unused_prompt(resolved: Any, prompt: str | None) -> None:

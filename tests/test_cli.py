@@ -171,6 +171,27 @@ def test_empty_prompt_is_refused(no_model_load: None, command: str) -> None:
     assert rc == 1 and "--prompt is empty" in one_error_line(err)
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--attribution"], "--attribution: an option of a sweep; this program runs one prompt and has no sweep: drop it"),
+    (["--steps", "0", "--refine", "2"], "--steps, --refine: options of a sweep; this program runs one prompt and has "
+                                        "no sweep: drop them"),
+    (["--path", "blocks"], "--path: an option of a sweep"),
+])
+def test_a_sweeps_options_without_a_sweep_are_refused_before_the_model_loads(
+        files: dict[str, Path], no_model_load: None, flags: list[str], says: str) -> None:
+    rc, _, err = cli("run", files["ok.dl"], *flags)
+    assert rc == 1 and says in one_error_line(err)
+
+
+def test_a_sweeps_options_over_a_dataset_without_a_sweep_are_refused(tmp_path: Path, no_model_load: None) -> None:
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": EIFFEL}) + "\n")
+    (tmp_path / "t.dl").write_text('dataset d = "d.jsonl"\ntrace t on d {\n    measure prob(" Paris")\n}\n')
+    for command, flags in (("run", ["--attribution"]), ("sweep", ["--normalise", "clean=t,corrupted=t", "--naive"])):
+        rc, _, err = cli(command, tmp_path / "t.dl", *flags)
+        assert rc == 1 and f"{', '.join(f for f in flags if f.startswith('--'))}: " in one_error_line(err), err
+        assert "this program runs over a dataset and has no sweep: drop" in err
+
+
 # ---- 3. a bug in deltalang says so, and never blames the program --------------------------
 
 

@@ -170,3 +170,66 @@ def test_by_is_refused_where_it_would_be_ignored(hay: Path, monkeypatch: pytest.
     rc, _, err = cli("sweep", "-e", 'sweep s on p over h in heads { write L2.state_after(-1).head(h) = zeros; '
                      'measure prob(" one") }\nprompt p = "key: apple value: one key: apple value:"', "--by", "x")
     assert rc == 1 and "--by x groups the records in a sweep over a dataset; this program runs one prompt" in err
+
+
+def wrote_files(err: str) -> list[str]:
+    """The names the closing `wrote DIR/: a, b, ...` line lists."""
+    line = next(x for x in err.splitlines() if x.startswith("wrote "))
+    return line.split(": ", 1)[1].split(";")[0].split(", ")
+
+
+@bundled
+def test_the_closing_line_names_the_groups_files_and_every_one_is_there(hay: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(hay)
+    rc, _, err = cli("sweep", "roles.dl", "--by", "hay.distance", "--out", "out")
+    assert rc == 0, err
+    named = wrote_files(err)
+    assert {"by-distance.csv", "memory-prob_hay_answer-by-distance.png",
+            "memory-prob_hay_answer-by-distance-curves.png"} <= set(named), named
+    kept = {"progress.json"}  # the --resume bookkeeping (`dataset_store`), not a result
+    assert sorted(named) == sorted(p.name for p in (hay / "out").iterdir() if p.name not in kept), named
+
+
+@bundled
+def test_a_merged_sharded_run_keeps_its_groups(hay: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(hay)
+    for k in (0, 1):
+        rc, _, err = cli("sweep", "roles.dl", "--by", "hay.distance", "--out", "out", "--shard", f"{k}/2")
+        assert rc == 0, err
+    rc, merged, err = cli("merge", "out")
+    assert rc == 0, err
+    whole = run_dataset_sweep(PROGRAM, deltalang.load_model(), filename=str(hay / "roles.dl"), by="hay.distance",
+                              progress=False)
+    assert "mean over records by distance" in merged
+    with open(hay / "out" / "by-distance.csv", newline="") as f:
+        saved = {(r["sweep"], r["h"], r["distance"]): float(r["mean"]) for r in csv.DictReader(f)}
+    grouped = whole.by("distance")
+    labels, grid = grouped.grid("memory", "prob(hay.answer)")
+    for label, row in zip(labels, grid):
+        for d, mean in zip(grouped.groups, row):
+            assert saved[("memory", label.removeprefix("h="), d)] == pytest.approx(mean, rel=1e-6)
+    assert (hay / "out" / "memory-prob_hay_answer-by-distance.png").stat().st_size > 0
+
+
+@bundled
+def test_shards_grouped_differently_are_one_error_at_merge(hay: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(hay)
+    assert cli("sweep", "roles.dl", "--by", "hay.distance", "--out", "out", "--shard", "0/2")[0] == 0
+    assert cli("sweep", "roles.dl", "--out", "out", "--shard", "1/2")[0] == 0
+    rc, _, err = cli("merge", "out")
+    assert rc == 1 and "error: the shards grouped their records differently (shard-0-of-2: --by hay.distance; " \
+                       "shard-1-of-2: no --by)" in err, err
+
+
+@bundled
+def test_the_magic_groups_a_dataset_sweep_by_a_field(hay: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`%%deltalang --by hay.distance` ran the sweep ungrouped: the notebook dropped the option."""
+    from deltalang.notebook import run_cell
+
+    monkeypatch.chdir(hay)
+    value = run_cell("--by hay.distance --out out", PROGRAM, {})
+    assert value.grouped_by == "hay.distance"
+    assert "memory: prob(hay.answer), mean over records by distance" in value.summary()
+    assert "by-distance.csv" in wrote_files(capsys.readouterr().err) and (hay / "out" / "by-distance.csv").is_file()

@@ -193,6 +193,71 @@ def test_a_bad_option_is_one_line(line: str, said: str) -> None:
     assert len(lines) == 1 and lines[0].startswith(said), lines
 
 
+ONE_SWEEP = f"""prompt clean = "{PROMPT}"
+prompt other = "The Leaning Tower is in the city of"
+sweep s on clean over L in L[linear], t in 1..4 {{
+    write L.state_after(t) from other
+    measure logit_diff(" Paris", " Pisa")
+}}
+"""
+
+
+@pytest.mark.parametrize(("line", "cell", "said"), [
+    ("--by x", ONE_SWEEP, "error: --by x groups the records in a sweep over a dataset; this program runs one prompt"),
+    ("--align -1", ONE_SWEEP, "error: --align -1 counts a per-token measure's positions in a sweep over a dataset"),
+    (f'--prompt "{PROMPT}" --attribution', f"measure {PARIS}\n",
+     "error: --attribution: an option of a sweep; this program runs one prompt and has no sweep: drop it"),
+    (f'--prompt "{PROMPT}" --normalise clean=a,corrupted=b --batch-size 2', f"measure {PARIS}\n",
+     "error: --normalise, --batch-size: options of a sweep; this program runs one prompt"),
+])
+def test_an_option_the_cell_would_ignore_is_refused(model: deltalang.DeltaModel, line: str, cell: str,
+                                                    said: str) -> None:
+    """The magic took every option of `deltalang sweep` and dropped those its own paths did not pass on."""
+    with pytest.raises(CellError) as e:
+        run_cell(f"--model m {line}", cell, {"m": model})
+    lines = e.value._render_traceback_()
+    assert len(lines) == 1 and lines[0].startswith(said), lines
+
+
+def test_the_magic_claims_its_out_directory_as_the_command_line(model: deltalang.DeltaModel,
+                                                                tmp_path: Path) -> None:
+    """--out DIR holding another program's results is refused, --replace deletes them first, --resume of a
+    program that runs at once is refused: the notebook wrote beside them and ignored both flags."""
+    other = tmp_path / "d"
+    deltalang.run(f"measure {PARIS}", model=model, prompt=PROMPT).save(other)
+    before = sorted(p.name for p in other.iterdir())
+    line = f'--model m --prompt "{PROMPT}" --out {other}'
+    with pytest.raises(CellError) as e:
+        run_cell(line, f"read L0.state_after(-1) as s\nmeasure {PARIS}\n", {"m": model})
+    assert f"error: --out {other} holds another program's results" in e.value._render_traceback_()[0]
+    assert sorted(p.name for p in other.iterdir()) == before
+    value = run_cell(line + " --replace", f"read L0.state_after(-1) as s\nmeasure {PARIS}\n", {"m": model})
+    assert "s" in value and (other / "program.dl").read_text().startswith("read L0.state_after(-1) as s")
+    with pytest.raises(CellError) as e:
+        run_cell(line + " --resume", f"read L0.state_after(-1) as s\nmeasure {PARIS}\n", {"m": model})
+    assert e.value._render_traceback_()[0].startswith("error: --resume continues a run over a dataset or a sweep")
+
+
+def test_the_magic_runs_attribution_as_the_command_line(model: deltalang.DeltaModel, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--attribution --steps 0` ran the exact sweep in a notebook; it is the command line's attribution."""
+    from html import unescape
+
+    from test_cli import cli
+
+    from deltalang.sweep.attribution import Attribution
+
+    value = run_cell(f"--model m --attribution --steps 0 --out {tmp_path / 'nb'}", ONE_SWEEP, {"m": model})
+    assert isinstance(value, Attribution), type(value)
+    assert "wrote " in capsys.readouterr().err and (tmp_path / "nb" / "attribution.csv").is_file()
+    (tmp_path / "s.dl").write_text(ONE_SWEEP, encoding="utf-8")
+    rc, out, err = cli("sweep", tmp_path / "s.dl", "--attribution", "--steps", "0")
+    assert rc == 0, err
+    assert value.table() in out and value.table() in unescape(value._repr_html_())
+    cells = len({(r.block, r.position) for r in value.rows})
+    assert repr(value).startswith(f"<Attribution: sweep s, {cells} cells; variants plain"), repr(value)
+
+
 def test_help_prints_the_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cell("--help", "", {}) is None
     shown = capsys.readouterr().out

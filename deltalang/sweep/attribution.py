@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from deltalang.ground import display
+from deltalang.ground import display, html
 from deltalang.language.ir import FromRun, Mean, ResolvedMeasure, ResolvedOp, ResolvedRun, Scale, Zeros
 from deltalang.runs.compiled import Experiment
 from deltalang.runtime import gradients
@@ -35,7 +35,7 @@ from .job import measure_label
 from .paths import (PATHS, PathEnds, gradient_runs, ids_of, measure_of, path_rule, plain_runs, record_forward,
                     reused_capture, whole_passes)
 from .plots import colour_label, heatmap, slug
-from .table import decoded_tokens, left_out, warn_saturated
+from .table import decoded_tokens, describe, left_out, warn_saturated
 
 VALUES = ("state_after", "conv_window_after")
 MEASURES = ("prob", "logit_diff")
@@ -93,6 +93,14 @@ class Attribution:
     def refined(self) -> list[AttributionRow]:
         return [r for r in self.rows if r.exact is not None]
 
+    def __repr__(self) -> str:
+        return (f"<Attribution: sweep {self.sweep}, {len({(r.block, r.position) for r in self.rows})} cells; variants "
+                f"{', '.join(self.variants)} (default {self.default}); .table(), .grid(), .heatmaps(DIR)>")
+
+    def _repr_html_(self) -> str:
+        """Notebooks: what the command line prints (`table`)."""
+        return html.pre(self.table(max(20, len(self.refined()))))
+
     def table(self, top: int = 20) -> str:
         """The cells of largest |default estimate|, estimates and exact side by side, as text."""
         head = ["block", "pos", "token", "measure", *self.variants, "exact"]
@@ -131,17 +139,6 @@ class Attribution:
                 w.writerow([r.block, r.position, r.token, r.measure, *(repr(r.estimates[v]) for v in self.variants),
                             "" if r.exact is None else repr(r.exact)])
         return p
-
-
-def describe(variant: str) -> str:
-    """What a variant's column is."""
-    if variant == "plain":
-        return "plain (gradient at the clean run)"
-    k = variant.lstrip("abcdefghijklmnopqrstuvwxyz")
-    moved = {"blk": "each block's own output", "out": "every block's output together",
-             "emb": "the input embeddings"}[variant[: len(variant) - len(k)]]
-    return (f"{variant} (gradient integrated over {k} points of a path taking {moved} from the clean run's to "
-            f"the source's)")
 
 
 # -- reading the sweep -------------------------------------------------------------------------

@@ -35,11 +35,11 @@ from deltalang.runs.results import save_atomically
 from deltalang.runs.shards import Part, Shard, count_line, read_done, read_rows
 from deltalang.runtime.model import DeltaModel
 
-from .attribution import (Attribution, AttributionRow, Target, attribute, check_path, default_steps, describe,
-                          refine_cells, target_of)
+from .attribution import (Attribution, AttributionRow, Target, attribute, check_path, default_steps, refine_cells,
+                          target_of)
 from .job import measure_label
 from .plots import colour_label, heatmap, slug
-from .table import decoded_tokens, left_out
+from .table import decoded_tokens, describe, left_out
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -179,14 +179,23 @@ class DatasetAttribution:
                               "exact": None if c.exact is None else attrs.asdict(c.exact)} for c in self.cells]}
         write_summary(tmp, ["sweep", *self.variables, "measure", "variant", *cols], rows, summary, self.dataset,
                       self.skipped, self.program)
-        if len(self.axes) == 2:
+        for m, name in self._heatmaps():
             (rv, rows), (cv, cols_) = self.axes
-            for m in dict.fromkeys(c.measure for c in self.cells):
-                means = self.grid(m)
-                grid = [[means.get((r, c), math.nan) for c in cols_] for r in rows]
-                kind = m.split("(")[0]
-                heatmap(grid, cols_, rows, f"{self.sweep}: {m}, {self.default} estimate\nmean over the records", cv,
-                        rv, tmp / f"{self.sweep}-{slug(m)}.png", kind=kind, label=colour_label(m, kind))
+            means = self.grid(m)
+            grid = [[means.get((r, c), math.nan) for c in cols_] for r in rows]
+            kind = m.split("(")[0]
+            heatmap(grid, cols_, rows, f"{self.sweep}: {m}, {self.default} estimate\nmean over the records", cv,
+                    rv, tmp / name, kind=kind, label=colour_label(m, kind))
+
+    def _heatmaps(self) -> list[tuple[str, str]]:
+        """(measure, file name) of each heatmap `save` draws: one per measure of a two-axis sweep."""
+        if len(self.axes) != 2:
+            return []
+        return [(m, f"{self.sweep}-{slug(m)}.png") for m in dict.fromkeys(c.measure for c in self.cells)]
+
+    def files(self) -> list[str]:
+        """The names `save` writes: `FILES` and the heatmaps."""
+        return [*FILES, *(name for _, name in self._heatmaps())]
 
 
 @attrs.frozen

@@ -184,19 +184,29 @@ class DatasetSweepResults:
                  *([c.position or ""] if at else []), *(getattr(c.stats, k) for k in cols)] for c in self.stats)
         summary = {"normalise": self.normalise, "axes": {s: dict(a) for s, a in self.axes.items()},
                    **({"align": self.align or "-1"} if at else {}),
+                   **({"by": self.grouped_by} if self.grouped_by is not None else {}),
                    "cells": [{"sweep": c.sweep, **dict(c.point), **({"position": c.position} if at else {}),
                               **attrs.asdict(c.stats)} for c in self.stats]}
         write_summary(tmp, ["sweep", *self.variables, "measure", *at, *cols], rows, summary, self.dataset,
                       self.skipped, self.program)
-        for sweep, axes in self.axes.items():
-            if len(axes) == 2:
-                for m in self.measures(sweep):
-                    rows, cols, grid = self.grid(sweep, m)
-                    kind = "normalised" if m.startswith("normalised(") else m.split("(")[0]
-                    heatmap(grid, cols, rows, f"{sweep}: {m}\nmean over {self._n(sweep, m)} records", axes[1][0],
-                            axes[0][0], tmp / f"{sweep}-{slug(m)}.png", kind=kind, label=colour_label(m, kind))
+        for sweep, m, name in self._heatmaps():
+            rows, cols, grid = self.grid(sweep, m)
+            (rv, _), (cv, _) = self.axes[sweep]
+            kind = "normalised" if m.startswith("normalised(") else m.split("(")[0]
+            heatmap(grid, cols, rows, f"{sweep}: {m}\nmean over {self._n(sweep, m)} records", cv, rv, tmp / name,
+                    kind=kind, label=colour_label(m, kind))
         if self.grouped_by is not None:
             self.by(self.grouped_by).save(tmp)
+
+    def _heatmaps(self) -> list[tuple[str, str, str]]:
+        """(sweep, measure, file name) of each two-axis sweep's heatmap `save` draws."""
+        return [(sweep, m, f"{sweep}-{slug(m)}.png") for sweep, axes in self.axes.items() if len(axes) == 2
+                for m in self.measures(sweep)]
+
+    def files(self) -> list[str]:
+        """The names `save` writes: `FILES`, each two-axis sweep's heatmaps, and with `grouped_by` the groups'."""
+        return [*FILES, *(name for _, _, name in self._heatmaps()),
+                *(self.by(self.grouped_by).files() if self.grouped_by is not None else ())]
 
     def _n(self, sweep: str, measure: str) -> int:
         return max((c.stats.n for c in self.stats if c.sweep == sweep and c.stats.measure == measure), default=0)

@@ -76,8 +76,19 @@ class Grouped:
     def __str__(self) -> str:
         return self.summary()
 
+    def plots(self) -> list[tuple[str, str, str, bool]]:
+        """(sweep, measure, file name less `.png`, with a curves plot) of each heatmap `save` draws."""
+        return [(sweep, m, f"{sweep}-{slug(m)}-by-{slug(self.field)}", len(self.grid(sweep, m)[0]) <= MAX_CURVES)
+                for sweep, m in self.tables() if sweep in self.sweeps]
+
+    def files(self) -> list[str]:
+        """The names `save` writes: `by-<field>.csv`, then each heatmap (and its curves)."""
+        return [f"by-{slug(self.field)}.csv", *(f for _, _, name, with_curves in self.plots()
+                                                for f in (f"{name}.png", *((f"{name}-curves.png",) if with_curves
+                                                                            else ())))]
+
     def save(self, directory: str | Path) -> list[Path]:
-        """`by-<field>.csv` and a heatmap per sweep and measure into `directory`; the files written."""
+        """`by-<field>.csv` and a heatmap per sweep and measure into `directory`; the files written (`files()`)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         variables = list(dict.fromkeys(v for _, point, _ in self.stats for v, _ in point))
@@ -86,18 +97,16 @@ class Grouped:
                 for (s, point, m), by in self.stats.items() for g, st in by.items()]
         files = [out / f"by-{slug(self.field)}.csv"]
         write_long_csv(files[0], ["sweep", *variables, "measure", self.field, *cols], rows)
-        for sweep, m in self.tables():
-            if sweep in self.sweeps:
-                labels, grid = self.grid(sweep, m)
-                kind = "normalised" if m.startswith("normalised(") else m.split("(")[0]
-                title = f"{sweep}: {m}\nmean over records by {self.field}"
-                name = f"{sweep}-{slug(m)}-by-{slug(self.field)}"
-                files.append(heatmap(grid, list(self.groups), labels, title, self.field, "cell",
-                                     out / f"{name}.png", kind=kind, label=colour_label(m, kind)))
-                if len(labels) <= MAX_CURVES:  # few cells: a curve each, the traces of the measure dashed
-                    clean = {s: self.grid(s, t)[1][0] for s, t in self.tables() if t.endswith(f".{m}")}
-                    files.append(curves(list(self.groups), dict(zip(labels, grid)), title, self.field,
-                                        colour_label(m, kind), out / f"{name}-curves.png", baselines=clean, kind=kind))
+        for sweep, m, name, with_curves in self.plots():
+            labels, grid = self.grid(sweep, m)
+            kind = "normalised" if m.startswith("normalised(") else m.split("(")[0]
+            title = f"{sweep}: {m}\nmean over records by {self.field}"
+            files.append(heatmap(grid, list(self.groups), labels, title, self.field, "cell",
+                                 out / f"{name}.png", kind=kind, label=colour_label(m, kind)))
+            if with_curves:  # few cells: a curve each, the traces of the measure dashed
+                clean = {s: self.grid(s, t)[1][0] for s, t in self.tables() if t.endswith(f".{m}")}
+                files.append(curves(list(self.groups), dict(zip(labels, grid)), title, self.field,
+                                    colour_label(m, kind), out / f"{name}-curves.png", baselines=clean, kind=kind))
         return files
 
 

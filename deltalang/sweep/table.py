@@ -5,7 +5,8 @@ ResultRow, for the terminal tables (`render_tables`), the CSV and the plots.
 A two-axis grid has one orientation (`grid_axes`: the longer axis down the rows),
 the same in the terminal and the heatmap. Tables show a KL's float noise below 0
 as 0 (`results.for_display`); the rows (and the CSV) keep the raw values.
-`signed` prints an estimated effect (attribution) with three significant digits, and
+`signed` prints an estimated effect (attribution) with three significant digits, `describe` names an
+attribution variant's column, and
 `saturation_warnings` says when a `prob` at the clean run is too close to 1 (or 0) for
 gradient estimates of its change.
 """
@@ -187,3 +188,14 @@ def render_tables(table: SweepTable, limit: int = 40) -> list[Any]:
     if per_token:
         out.append(f"{table.name}: per-token measure(s) {', '.join(per_token)}: see {CSV_NAME} and the plots")
     return out
+
+
+def describe(variant: str) -> str:
+    """What a variant's column is."""
+    if variant == "plain":
+        return "plain (gradient at the clean run)"
+    k = variant.lstrip("abcdefghijklmnopqrstuvwxyz")
+    moved = {"blk": "each block's own output", "out": "every block's output together",
+             "emb": "the input embeddings"}[variant[: len(variant) - len(k)]]
+    return (f"{variant} (gradient integrated over {k} points of a path taking {moved} from the clean run's to "
+            f"the source's)")
