@@ -2,7 +2,7 @@
 
 - Delta rule (KDA: a per-key-channel decay): S_t = a_t S_(t-1) + k_t u_t^T. `write_keys` is k_t as the rule sees
   it (after its l2-norm, repeated to the value heads), `write_values` u_t = beta_t (v_t - (a_t S_(t-1))^T k_t),
-  the chunked rule's corrections (`deltarule._chunk_system`, `_scan`: no state per token), `[b, s, h, dk|dv]`.
+  the chunked rule's corrections (`deltarule._chunk_system`, `corrections`: no state kept), `[b, s, h, dk|dv]`.
 - Mamba-2: h_t = exp(A dt_t) h_(t-1) + (dt_t x_t) ⊗ B_t, its factors in the state's axis order `[head_dim,
   d_state]`: `write_keys` dt_t x_t `[b, s, h, P]`, `write_values` B_t of the head's group `[b, s, h, N]`.
 
@@ -40,8 +40,25 @@ def delta_factors(fam: Any, key: torch.Tensor, value: torch.Tensor, g: torch.Ten
     """(write_keys `[b, s, h, dk]`, write_values `[b, s, h, dv]`) float32 of a delta-rule call."""
     k, _, _, cum, u0, w, S0, b, s, _, to_end = deltarule._chunk_system(fam, key, value, g, beta, initial, l2,
                                                                        deltarule.CHUNK)
-    _, u = deltarule._scan(S0, u0, w, *deltarule._ends(k, cum, to_end))
+    u = corrections(S0, u0, w, *deltarule._ends(k, cum, to_end))
     return _unchunked(k, b, s), _unchunked(u, b, s)
+
+
+def corrections(S: torch.Tensor, u0: torch.Tensor, w: torch.Tensor, k_last: torch.Tensor,
+                e_last: torch.Tensor) -> torch.Tensor:
+    """`deltarule._scan`'s corrections `u` `[bh, n, C, dv]` alone (the write values). Without gradients the state
+    is carried in place, no chunk's kept, and the decayed factors' subnormal entries (below 2^-126, where x86
+    products slow several-fold) are zeros: each adds under 2^-126 |S| to a sum it cannot change at float32."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (S, u0, w, k_last, e_last)):
+        return deltarule._scan(S, u0, w, k_last, e_last)[1]
+    tiny = torch.finfo(torch.float32).tiny
+    w, k_last, e_last = (x.masked_fill(x.abs() < tiny, 0.0) for x in (w, k_last, e_last))
+    S, u = S.clone(), torch.empty_like(u0)
+    for i in range(u0.shape[1]):
+        ui = torch.baddbmm(u0[:, i], w[:, i], S, alpha=-1)
+        u[:, i] = ui
+        S.mul_(e_last[:, i]).baddbmm_(k_last[:, i], ui)
+    return u
 
 
 def serve_factors(call: Any, step: int, make: Any
