@@ -30,10 +30,11 @@ def loaded(request: pytest.FixtureRequest) -> tuple[deltalang.DeltaModel, Refere
     return deltalang.load_model(path), Reference(AutoModelForCausalLM.from_pretrained(path).eval())
 
 
-def _logprob(model: deltalang.DeltaModel, ref: Reference, answer: str, writes: list[Write] | None = None) -> float:
-    """log P(answer | PROMPT) in plain transformers, token by token over the prompt and the answer."""
+def _logprob(model: deltalang.DeltaModel, ref: Reference, answer: str, writes: list[Write] | None = None,
+             prompt: str = PROMPT) -> float:
+    """log P(answer | prompt) in plain transformers, token by token over the prompt and the answer."""
     tok = model.tokenizer
-    ids, a = tok(PROMPT).input_ids, tok(answer).input_ids
+    ids, a = tok(prompt).input_ids, tok(answer).input_ids
     logits = ref.run(torch.tensor([ids + a[:-1]]), writes or []).value(None, "logits")[0].float()
     lp = logits.log_softmax(-1)
     return sum(float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(a))
@@ -73,6 +74,28 @@ trace clean on p {{ measure prob(" Paris") }}
     want = _logprob(model, ref, " Paris", writes)
     assert math.log(got['t.prob(" Paris")']) == pytest.approx(want, abs=1e-3)
     assert abs(math.log(got['clean.prob(" Paris")']) - want) > 1e-2  # the writes change the answer
+
+
+def test_a_run_measured_only_by_teacher_forcing_is_not_run_beside_it(loaded: tuple) -> None:
+    """The forced run carries the measure (and the run's writes): the run itself computes nothing and is not run;
+    an answer of one token beside it still reads the run's own logits. Rows counted at the embedding."""
+    model, ref = loaded
+    rows: list[int] = []
+    hook = model._module.get_input_embeddings().register_forward_hook(lambda _m, a, _o: rows.append(a[0].shape[0]))
+    try:
+        records = [{"prompt": PROMPT}, {"prompt": DONOR}]
+        got = deltalang.run('trace t on facts { measure prob(" Paris") }', model, data={"facts": records})
+        assert sum(rows) == 2  # one teacher-forced row a record (was 4: each record's own run beside it)
+        for r, p in zip(records, got.values('t.prob(" Paris")'), strict=True):
+            assert math.log(p) == pytest.approx(_logprob(model, ref, " Paris", prompt=r["prompt"]), abs=1e-3)
+        rows.clear()
+        got1 = deltalang.run(f'prompt p = "{PROMPT}"\ntrace t on p {{ measure logit_diff("x", " Paris") }}\n', model)
+        assert sum(rows) == 2  # the run (for "x") and the teacher-forced " Paris"
+        x = float(ref.run(model.tokenizer(PROMPT, return_tensors="pt").input_ids).value(None, "logits")[0, -1]
+                  .float().log_softmax(-1)[model.tokenizer("x").input_ids[0]])
+        assert got1['t.logit_diff("x", " Paris")'] == pytest.approx(x - _logprob(model, ref, " Paris"), abs=1e-3)
+    finally:
+        hook.remove()
 
 
 @pytest.mark.parametrize("body, message", [

@@ -15,9 +15,10 @@ reaches them (step, block, `values.CATALOGUE` order, position, a write before a 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import attrs
 import networkx as nx
@@ -321,11 +322,15 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
             ops[r.name].append(PlanOp("write", op.layer, op.value, op.position, op.step, None, donor_key=dkey,
                                       source=with_donors(src, operand_keys), text=op.written, span=op.span,
                                       head=op.head))
-    measure_inputs = {m.result_name: _measure_reads(meta[run], m, meta, ops, add_donor, donated) for run, m in measures}
     forced: dict[str, tuple[tuple[int, ...], int]] = {}  # run -> (its tokens, the answer's length)
-    for run, m in measures:
-        if m.forced:
-            measure_inputs[m.result_name] = _forced_reads(meta, ops, edges, forced, implicit_why, meta[run], m)
+    measure_inputs = {}
+    for run, m in measures:  # a forced measure reads the run's own logits only for an answer of one token
+        own = functools.partial(_measure_reads, meta[run], m, meta, ops, add_donor, donated)
+        measure_inputs[m.result_name] = _forced_reads(meta, ops, edges, forced, implicit_why, meta[run], m, own) \
+            if m.forced else own()
+    for name in _hollow(meta, ops, edges, {run for run, m in measures if m.forced}):
+        del meta[name], ops[name]
+        edges[:] = [e for e in edges if e[1] != name]
     plan_directions(ops, add_mean)
     plans, kept = {}, logits_kept(measures, {name: len(r.token_ids) for name, r in meta.items()})
     for name, r in meta.items():
@@ -340,14 +345,15 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
 
 def _forced_reads(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]], edges: list[tuple[str, str, Any]],
                   forced: dict[str, tuple[tuple[int, ...], int]], why: dict[str, str], r: ResolvedRun,
-                  m: ResolvedMeasure) -> tuple[str, ...]:
+                  m: ResolvedMeasure, own: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
     """A measure of an answer of several tokens: per such answer, a run of the prompt and the answer's
     tokens but the last (teacher forcing) with the run's writes, whose logits it reads; an answer of one
-    token reads the run's own logits. Returns the logits keys, one per answer."""
+    token reads the run's own logits (`own` adds that read: the run reads them for nothing else). Returns
+    the logits keys, one per answer."""
     keys = []
     for text, answer in zip(m.token_texts, m.answers, strict=True):
         if len(answer) == 1:
-            keys.append(donor_key(r.name, None, "logits", None, None))
+            keys.append(own()[0])
             continue
         name = f"{r.name}+{ast_quote(text)}"
         keys.append(donor_key(name, None, "logits", None, None))
@@ -368,6 +374,15 @@ def _forced_reads(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]], ed
             ops[name].append(op)
         edges.extend((src, name, why_) for src, to, why_ in list(edges) if to == r.name)
     return tuple(keys)
+
+
+def _hollow(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]], edges: list[tuple[str, str, Any]],
+            measured: set[str]) -> list[str]:
+    """The traces whose every measure was moved to teacher-forced runs (with their writes) and that read
+    nothing else nor give any run a value: running them would compute nothing."""
+    donors = {a for a, _, _ in edges}
+    return [n for n in measured if meta[n].kind == "trace" and n not in donors
+            and not any(op.kind == "read" for op in ops[n])]
 
 
 def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]],
