@@ -332,15 +332,20 @@ def collect_runs(resolved: Resolved) -> tuple[dict[str, RunPlan], list[tuple[str
         del meta[name], ops[name]
         edges[:] = [e for e in edges if e[1] != name]
     plan_directions(ops, add_mean)
-    plans, kept = {}, logits_kept(measures, {name: len(r.token_ids) for name, r in meta.items()})
-    for name, r in meta.items():
-        plans[name] = RunPlan(name=r.name, kind=r.kind, prompt=r.prompt, prompt_text=r.prompt_text,
-                              ops=tuple(sort_ops(mark_states_as_run(ops[name]))),
-                              max_new_tokens=r.max_new_tokens, route=r.route, implicit=r.implicit, sampling=r.sampling,
-                              why=implicit_why.get(name, ""), n_tokens=len(r.token_ids),
-                              token_ids=forced[name][0] if name in forced else (),
-                              answer_len=max(forced[name][1] if name in forced else 1, kept.get(name, 1)))
-    return plans, edges, combines, measures, measure_inputs
+    return _run_plans(meta, ops, forced, implicit_why, measures), edges, combines, measures, measure_inputs
+
+
+def _run_plans(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]],
+               forced: dict[str, tuple[tuple[int, ...], int]], why: dict[str, str],
+               measures: list[tuple[str, ResolvedMeasure]]) -> dict[str, RunPlan]:
+    """Each run's plan: its ops in forward order, a teacher-forced run's tokens and the logits it keeps."""
+    kept = logits_kept(measures, {name: len(r.token_ids) for name, r in meta.items()})
+    return {name: RunPlan(name=r.name, kind=r.kind, prompt=r.prompt, prompt_text=r.prompt_text,
+                          ops=tuple(sort_ops(mark_states_as_run(ops[name]))), max_new_tokens=r.max_new_tokens,
+                          route=r.route, implicit=r.implicit, sampling=r.sampling, why=why.get(name, ""),
+                          n_tokens=len(r.token_ids), token_ids=forced[name][0] if name in forced else (),
+                          answer_len=max(forced[name][1] if name in forced else 1, kept.get(name, 1)))
+            for name, r in meta.items()}
 
 
 def _forced_reads(meta: dict[str, ResolvedRun], ops: dict[str, list[PlanOp]], edges: list[tuple[str, str, Any]],
@@ -406,9 +411,7 @@ def _measure_reads(r: ResolvedRun, m: ResolvedMeasure, meta: dict[str, ResolvedR
 
 def _first(seen: set[tuple[str, str]], item: tuple[str, str]) -> bool:
     """Whether `item` is new to `seen` (then added)."""
-    new = item not in seen
-    seen.add(item)
-    return new
+    return item not in seen and not seen.add(item)  # type: ignore[func-returns-value]
 
 
 def measure_input_key(run: str, m: ResolvedMeasure) -> str:
