@@ -4,8 +4,8 @@ Side by side, in one run, on a random model with Qwen3.5-0.8B's shapes:
   plain          transformers' forward
   nnsight/final  hand-written nnsight reading all 18 final states (`.source` on the kernel call)
   split          deltalang: set_state_after(t) on all 18 blocks, by splitting the chunked kernel
-  read           deltalang: state_after(t) read on all 18 blocks (the forward's call, its bits unchanged,
-                 run as far as the chunk boundary before t; the state after t by a side call from there)
+  read           deltalang: state_after(t) read on all 18 blocks (the forward's call whole, its bits
+                 unchanged; the state after t by a side call over the prefix)
   zeros          deltalang: the state after t read, then written as zeros on all 18 blocks (what `write
                  L[linear].state_after(t) = zeros` emits: set_state_after(t, torch.zeros_like(state_after(t))))
   token          the same through the token-by-token route (route_kernels(family, "torch"))

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -58,14 +59,11 @@ def _read_query(fam: families.Family, q: torch.Tensor, use_qk_l2norm: bool) -> t
 
 def _start_state(initial_state: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The state a delta-rule call starts from, float32: `initial_state`, or zeros of `shape`."""
-    if initial_state is None:
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    return initial_state.to(device=device, dtype=torch.float32)
+    return (torch.zeros(shape, dtype=torch.float32, device=device) if initial_state is None
+            else initial_state.to(device=device, dtype=torch.float32))
 
 
-# --------------------------------------------------------------------------
-# The buffer the states of one call may reuse (inside `reusing()` only).
-# --------------------------------------------------------------------------
+# -- the buffer the states of one call may reuse (inside `reusing()` only) ---------------------------------------
 
 _REUSE = [0]  # depth of `reusing()` blocks
 _SCRATCH: list[torch.Tensor] = []  # at most one buffer
@@ -93,14 +91,11 @@ def _unreferenced(buf: torch.Tensor) -> bool:
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:  # cannot tell: never reuse
         return False
-    storage = buf.untyped_storage()
-    return int(count(storage._cdata)) == 2  # `buf` and the `storage` object just made
+    return int(count(buf.untyped_storage()._cdata)) == 2  # `buf` and the storage object just made
 
 
 def _states_buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if _REUSE[0] and _SCRATCH:
         buf = _SCRATCH[0]
         if buf.device == device and buf.numel() >= numel and _unreferenced(buf):
@@ -111,9 +106,7 @@ def _states_buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor
     return buf.view(shape)
 
 
-# --------------------------------------------------------------------------
-# The chunked delta rule.
-# --------------------------------------------------------------------------
+# -- the chunked delta rule ------------------------------------------------------------------------------------
 
 
 def _inverse_unit_lower(a: torch.Tensor) -> torch.Tensor:
@@ -153,26 +146,21 @@ def per_token(fam: families.Family, query: torch.Tensor, key: torch.Tensor, valu
               use_qk_l2norm: bool, chunk_size: int = CHUNK,
               final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule keeping every state, in chunks: batched matrix products, a loop over chunks only.
-
     Within a chunk starting from state S0, with cumulative log decay G_t from the chunk's start
     (per key channel for Kimi), S_t = exp(G_t) * S0 + sum_{j<=t} exp(G_t - G_j) * k_j^T u_j, where
     the corrections u (the delta rule's `beta * (v - k S)`) solve one unit-lower-triangular system
-    per chunk (the UT form transformers' chunked kernel uses). Equal to `per_token_loop` within
-    float32 noise.
-
+    per chunk (the UT form transformers' chunked kernel uses). Equal to `per_token_loop` within float32 noise.
     Returns (outputs `[b, s, h, dv]` in the query dtype, states `[b, s, h, dk, dv]` float32), or
     with `final_state` (outputs, the state after the last token `[b, h, dk, dv]`).
     """
     q, k, v, gg, bb = prepare(fam, query, key, value, g, beta, use_qk_l2norm)
-    b, h, s, dk = k.shape
-    dv = v.shape[-1]
+    (b, h, s, dk), dv = k.shape, v.shape[-1]
     S0 = _start_state(initial_state, (b, h, dk, dv), v.device)
     per_head = gg.dim() == 3  # one decay per head, else per key channel (Kimi)
     if per_head:
         gg = gg[..., None]
     C = chunk_size
-    pad = (-s) % C
-    n = (s + pad) // C
+    pad, n = (-s) % C, -(-s // C)
     # padding: zero keys and betas write nothing, zero log decay keeps the state; (b, h) merged
     q, k, v, gg = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b * h, n, C, -1) for x in (q, k, v, gg))
     bb = torch.nn.functional.pad(bb, (0, pad)).reshape(b * h, n, C, 1)
@@ -201,37 +189,51 @@ def final_state(fam: families.Family, query: torch.Tensor, key: torch.Tensor, va
                 g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, use_qk_l2norm: bool,
                 chunk_size: int = 64) -> torch.Tensor:
     """The state after the last token alone, `[b, h, dk, dv]` float32, one decay per head (the gated delta
-    rule): the query-free half of transformers' chunked kernel, its operations in its order (chunks of 64,
-    the same triangular solves), so the state equals the kernel's own final state while the outputs, the
-    intra-chunk attention and the state reads are never computed (a read's side call over a prefix); one
-    chunk from zeros skips the products that are exact zeros there (the start's decay and read)."""
-    heads = value.shape[-2]
-    if key.shape[-2] != heads:
-        key = key.repeat_interleave(heads // key.shape[-2], dim=2)
+    rule): the query-free half of transformers' chunked kernel, its operations in its order (chunks of 64, the
+    same triangular solves), its final state within float32 rounding, each row's bits its own whatever rows share
+    the call (`_flat`); outputs, intra-chunk attention and state reads never computed (a read's side call over a
+    prefix); one chunk from zeros skips the products that are exact zeros there (the start's decay and read)."""
+    if key.shape[-2] != value.shape[-2]:
+        key = key.repeat_interleave(value.shape[-2] // key.shape[-2], dim=2)
     k = _normed(fam, key.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format), use_qk_l2norm)
     v, gg, bb = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (value, g, beta))
     b, h, s, dk = k.shape
     C = chunk_size
-    pad = (-s) % C
-    n = (s + pad) // C
+    pad, n = (-s) % C, -(-s // C)
     k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b, h, n, C, x.shape[-1]) for x in (k, v))
     gg, bb = (torch.nn.functional.pad(x, (0, pad)).reshape(b, h, n, C) for x in (gg, bb))
     cum = gg.cumsum(dim=-1)
     upper = torch.ones(C, C, dtype=torch.bool, device=v.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
     k_beta = k * bb[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v * bb[..., None], upper=False, unitriangular=True)
+    system = _bmm(k_beta, k.transpose(-1, -2)) * decay
+    u = _solve(system, v * bb[..., None])
     k_last = k * (cum[..., -1:] - cum).exp()[..., None]
     if n == 1 and initial_state is None:  # one chunk from zeros: the loop's decayed start and w @ S are zeros
-        return k_last[:, :, 0].transpose(-1, -2) @ u[:, :, 0]
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+        return _bmm(k_last[:, :, 0].transpose(-1, -2), u[:, :, 0])
+    w = _solve(system, k_beta * cum.exp()[..., None])
     S = (torch.zeros((b, h, dk, v.shape[-1]), dtype=torch.float32, device=v.device) if initial_state is None
          else initial_state.to(u))
     chunk_decay = cum[..., -1].exp()[..., None, None]
     for i in range(n):
-        S = S * chunk_decay[:, :, i] + k_last[:, :, i].transpose(-1, -2) @ (u[:, :, i] - w[:, :, i] @ S)
+        S = S * chunk_decay[:, :, i] + _bmm(k_last[:, :, i].transpose(-1, -2), u[:, :, i] - _bmm(w[:, :, i], S))
     return S
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """`[..., m, n]` as one batch of row-major matrices: torch lays a product of strided batches out by their
+    shapes (a batch of one, a slice of several chunks), and on some CPUs (AMD EPYC, MKL) the bits follow it."""
+    return x.reshape(-1, *x.shape[-2:]).contiguous()
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b`, each product's bits the same however many share the call (`_flat`)."""
+    return torch.bmm(_flat(a), _flat(b)).view(*a.shape[:-2], a.shape[-2], b.shape[-1])
+
+
+def _solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """`system^-1 @ rhs` for unit lower triangular `system`, as `_bmm`."""
+    return torch.linalg.solve_triangular(_flat(system), _flat(rhs), upper=False, unitriangular=True).reshape(rhs.shape)
 
 
 def per_token_reduced(fam: families.Family, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -341,9 +343,8 @@ def _chunk_system(fam: families.Family, key: torch.Tensor, value: torch.Tensor, 
     to_end each token's log decay to its chunk's end (`_log_decays`). `fixed` (keys `[b, s, h, dk]`, writes
     `[b, s, h, dv]`, mask `[b, s, h]`): where the mask holds, the token writes those keys and that u as given,
     no correction (its row of the system zero: a written write, `mixer.writes`)."""
-    heads = value.shape[-2]
-    if key.shape[-2] != heads:
-        key = key.repeat_interleave(heads // key.shape[-2], dim=2)
+    if key.shape[-2] != value.shape[-2]:
+        key = key.repeat_interleave(value.shape[-2] // key.shape[-2], dim=2)
     k = _normed(fam, key.transpose(1, 2).to(torch.float32).contiguous(), use_qk_l2norm)
     v, gg, bb = (x.transpose(1, 2).to(torch.float32).contiguous() for x in (value, g, beta))
     v = v * bb[..., None]  # the right-hand side of the chunk's system: beta v
@@ -351,15 +352,13 @@ def _chunk_system(fam: families.Family, key: torch.Tensor, value: torch.Tensor, 
         keys, writes, mask = (x.transpose(1, 2) for x in fixed)
         k, v = torch.where(mask[..., None], keys.float(), k), torch.where(mask[..., None], writes.float(), v)
         bb = bb.masked_fill(mask, 0.0)
-    b, h, s, dk = k.shape
-    dv = v.shape[-1]
+    (b, h, s, dk), dv = k.shape, v.shape[-1]
     S0 = _start_state(initial_state, (b, h, dk, dv), v.device)
     per_head = gg.dim() == 3
     if per_head:
         gg = gg[..., None]
     C = chunk_size
-    pad = (-s) % C
-    n = (s + pad) // C
+    pad, n = (-s) % C, -(-s // C)
     k, v, gg = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b * h, n, C, -1) for x in (k, v, gg))
     bb = torch.nn.functional.pad(bb, (0, pad)).reshape(b * h, n, C, 1)
     cum, pair, to_end = _log_decays(gg)

@@ -1,12 +1,11 @@
 """Reads of `state_after(t)` served beside the forward's kernel call: `read_only`, `Forward`, `serve_reads`.
 
-Invariant: a read never changes the forward. When no worker waits to write, the delta-rule call runs over
-the whole prompt with the bits it has without the trace, and the state after t comes from the same kernel
-over the prefix (what transformers' cache after t+1 tokens holds), independent of other reads; requests at one
-position share one side call. Behind a kernel that pads itself to whole chunks the forward's call runs lazily in
-pieces ending at chunk boundaries (each chunk's bits depend on its tokens and the state at its start alone), so a
-side call starts at the boundary before t. A worker that writes what it was served (`*= 0.5`) splits its own rows
-there: they run from that boundary to t and on from the written state, the others go on with the forward.
+Invariant: a read never changes the forward. The delta-rule call runs once over the whole prompt and every
+row, as it runs without the trace (never in pieces: on some CPUs a piece's bits differ from the same tokens in
+the whole call, the kernel's matrix products laid out by its number of chunks), and the state after t comes from
+the same kernel over the prefix (what transformers' cache after t+1 tokens holds), independent of other reads;
+requests at one position share one side call. A worker that writes what it was served (`*= 0.5`) splits its own
+rows there: token t reads the written state and they run on from it, the others keep the forward's outputs.
 `read_only(call)`; `serve_reads(call, forward, step)` returns the head outputs, the final state and each row
 group's segments `(start, end, state at start)`.
 """
@@ -75,11 +74,6 @@ class _Rows:
             out.setdefault(self.pos[r], []).append(r)
         return out
 
-    def advance(self, rows: list[int], c: int, state: torch.Tensor) -> None:
-        """The forward's rows `rows` have run to the chunk boundary c: side calls start there (`state`: all rows)."""
-        for r in rows:
-            self.pos[r], self.state[r] = c, state[r]
-
     def write(self, rows: list[int], p: int, new: torch.Tensor) -> None:
         for i, r in enumerate(rows):
             self.pos[r], self.state[r] = p + 1, new[i]
@@ -103,24 +97,17 @@ class _Rows:
 
 
 class Forward:
-    """The forward's own call over the rows that follow it (none written yet), run lazily as far as a read needs:
-    whole, or (`aligned`: behind a kernel that pads itself to whole chunks, where each chunk's bits depend only
-    on its tokens and the state at its start) in pieces ending at chunk boundaries, the same bits. `out` and the
-    written rows' final states are filled in as rows leave it; `state` is the state after `done` (all rows)."""
+    """The forward's own call over every row, run whole the first time a read needs it (the bits it has without
+    the trace); rows written leave it, their outputs after the write and final states replaced. `state` is the
+    state after `done` (all rows)."""
 
-    def __init__(self, fn: Callable[..., Any], inputs: Inputs, initial: torch.Tensor | None, l2: bool,
-                 aligned: bool) -> None:
-        self.fn, self.inputs, self.l2, self.aligned = fn, inputs, l2, aligned
+    def __init__(self, fn: Callable[..., Any], inputs: Inputs, initial: torch.Tensor | None, l2: bool) -> None:
+        self.fn, self.inputs, self.l2 = fn, inputs, l2
         self.b, self.s = inputs[0].shape[:2]
         self.rows = list(range(self.b))  # the rows that follow the forward
         self.initial, self.done, self.state = initial, 0, initial
         self.out: torch.Tensor | None = None
         self.finals: list[tuple[list[int], torch.Tensor]] = []  # the final states of rows that left
-
-    def reach(self, p: int) -> None:
-        """Run as far as a read of the state after p needs: the whole call, or (aligned) the chunk boundary at or
-        before p + 1, or the end if p is the last token."""
-        self.run_to(self.s if not self.aligned or p == self.s - 1 else (p + 1) // CHUNK * CHUNK)
 
     def run_to(self, end: int) -> None:
         if end <= self.done or not self.rows:
@@ -175,13 +162,6 @@ class Forward:
         return self.out, final
 
 
-def forward_for(call: DeltaRuleCall, fn: Callable[..., Any], inputs: Inputs, initial: torch.Tensor | None,
-                l2: bool) -> Forward:
-    """The forward's call of `fn`, in chunk-aligned pieces where `fn` pads itself and its side call is
-    `deltarule.final_state` (transformers' own chunked torch kernel of the gated delta rule), else whole."""
-    return Forward(fn, inputs, initial, l2, aligned=_pads_itself(call, fn) and _side_call(call, fn, l2)[1])
-
-
 def serve_reads(call: DeltaRuleCall, fwd: Forward, step: int
                 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], Segments]]]:
     """Serve every `state_after` request of this call from the prefix (see the module doc), in position order."""
@@ -198,9 +178,7 @@ def serve_reads(call: DeltaRuleCall, fwd: Forward, step: int
         if not asked:
             break
         p = min(asked)
-        fwd.reach(p)
-        if fwd.aligned and fwd.state is not None and 0 < fwd.done <= p + 1:
-            book.advance(fwd.rows, fwd.done, fwd.state)  # side calls start at the forward's last boundary
+        fwd.run_to(s)
         wanted = {p: {r for n in names for r in _rows_of(n, invokes, every)} for p, names in asked.items()}
         _prefetch(book, side, inputs, fwd, known, wanted, padded, no_ops)  # every request parked now, together
         for name in call._names_at("state_after", step, p):
@@ -329,13 +307,9 @@ def _rows_of(name: str, invokes: dict[int, list[int]] | None, every: list[int]) 
 
 
 def _written(book: _Rows, fwd: Forward, rows: list[int], p: int, new: torch.Tensor, call: DeltaRuleCall) -> None:
-    """Rows whose state after p a worker replaced: those still on the forward run from its last boundary to p,
-    token p reads the written state, the kernel runs on from p+1 from it."""
+    """Rows whose state after p a worker replaced: their outputs before p are the forward's, token p reads the
+    written state, the kernel runs on from p+1 from it."""
     inputs, fn, l2 = fwd.inputs, fwd.fn, fwd.l2
-    following = [r for r in rows if r in fwd.rows]
-    if following and fwd.done <= p:  # the forward stopped at a chunk boundary before p
-        start = None if fwd.state is None else fwd.state[following]
-        fwd.put(following, fwd.done, _run(fn, inputs, following, fwd.done, p + 1, start, l2)[0])
     read = kernels.read_state(call.family, inputs[0][rows, p], new, inputs[2].shape[2], l2)
     fwd.put(rows, p, read[:, None].to(fwd.out.dtype if fwd.out is not None else read.dtype))
     if p + 1 < book.s:

@@ -3,9 +3,9 @@
 The kernel's inputs are the queries, keys, values, decays and betas, its initial state `state_input`, its
 outputs the head outputs and `state_output`. A trace that only reads runs the call unchanged (the same
 logits bit for bit): `states` from the chunked rule (`deltarule`) beside it, `state_after(t)` from the
-kernel over the prefix (`reads`: the forward's call run as far as each read needs, a read then written splitting
-its rows there). Where a worker waits to write, the call is split lazily: run to the
-first parked position, serve (and maybe replace) the state, look again, continue with `initial_state`.
+kernel over the prefix (`reads`: the forward's call run whole, a read then written splitting its rows there).
+Where a worker waits to write, the call is split lazily: run to the first parked position, serve (and maybe
+replace) the state, look again, continue with `initial_state`.
 Every segment is one call of the kernel `kernels` chose for the device; a packed call is refused.
 """
 
@@ -18,7 +18,7 @@ import torch
 from deltalang.ground.errors import DeltaValueError
 
 from .. import kernels
-from .reads import forward_for, read_only, serve_reads
+from .reads import Forward, read_only, serve_reads
 from .reduced import serve_reduced
 from .requests import Requests
 from .rows import split_by_rows
@@ -87,8 +87,8 @@ class DeltaRuleCall(Requests):
         if fixed is not None:  # tokens' writes written: the rule with those fixed (`writes`)
             self._serve_states(step, (query, key, value, g, beta), initial, l2, None)
             out, state = run_written(self, step, (query, key, value, g, beta), initial, l2, fixed)
-        elif read_only(self):  # the unchanged call (run as far as each read needs); the states asked for beside it
-            forward = forward_for(self, fn, (query, key, value, g, beta), initial, l2)
+        elif read_only(self):  # the unchanged call, whole; the states asked for beside it
+            forward = Forward(fn, (query, key, value, g, beta), initial, l2)
             if self.wants("states"):  # served before any write: the last is the whole call's final state
                 forward.run_to(s)
                 self._serve_states(step, (query, key, value, g, beta), initial, l2, forward.state)
