@@ -115,6 +115,34 @@ def test_reads_leave_the_logits_bit_for_bit(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SERVED)
+def test_a_read_is_the_same_bits_whatever_else_the_trace_reads(name: str) -> None:
+    """The state after 11 is the scan over its prefix from the call's start, the same bits whether or not the
+    other invoke, or its own, reads an earlier position (a side call started from that read's state gave other
+    bits: float sums in another order), and the other invoke's logits stay bit for bit."""
+    model, _ = _models(name)
+    layer = model.spec.ssm_layers()[0]
+    ids, other = _ids(seed=1), _ids(seed=2)
+
+    def trace(own: tuple[int, ...], others: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), model.trace() as tracer:
+            with tracer.invoke(ids):
+                for t in own:
+                    got["read"] = model.layers[layer].linear_attn.state_after(t).save()
+            with tracer.invoke(other):
+                for t in others:
+                    model.layers[layer].linear_attn.state_after(t).save()
+                got["logits"] = model.logits.save()
+        return got["read"], got["logits"]
+
+    alone = trace((11,), ())
+    for own, others in (((11,), (3,)), ((3, 11), ()), ((2, 11), (9,))):
+        got = trace(own, others)
+        assert torch.equal(got[0], alone[0]), (own, others)
+        assert torch.equal(got[1], alone[1])
+
+
+@pytest.mark.parametrize("name", SERVED)
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_a_written_state_is_what_the_later_tokens_continue_from(name: str, where: str) -> None:
     model, hf = _models(name)

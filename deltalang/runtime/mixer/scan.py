@@ -131,7 +131,8 @@ class SSDCall(Requests):
                     final: torch.Tensor, initial: torch.Tensor | None, step: int, inputs: list[torch.Tensor],
                     opts: dict) -> tuple[torch.Tensor, torch.Tensor, list[_Write], torch.Tensor | None]:
         """Every `state_after` request, beside the forward's unchanged call. The state after p is the scan's over
-        the prefix (`side`; the last position: the call's own final state) plus what earlier writes carried there;
+        the prefix (`side`, from the call's start whatever else is read; the last position: the call's own final
+        state) plus what earlier writes carried there;
         a write at p re-reads token p of its rows from the written state and adds what the change carries to the
         later tokens' outputs and the final state (`ssd.carried`: the scan is linear in its state). Rows that
         write nothing keep the call's outputs bit for bit. Returns the outputs, the final state, the writes in
@@ -147,9 +148,8 @@ class SSDCall(Requests):
             if not asked:
                 return y, final, writes, cum
             p = min(asked)
-            if p not in unchanged:
-                q = max((k for k in unchanged if k < p), default=-1)
-                unchanged[p] = side(q + 1, p + 1, unchanged[q] if q >= 0 else initial)
+            if p not in unchanged:  # from the call's start, never from another read's state: its bits its own
+                unchanged[p] = side(0, p + 1, initial)
             state = unchanged[p]
             for q, change, _ in writes:  # what the earlier writes carried to p
                 assert cum is not None
