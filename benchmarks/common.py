@@ -64,7 +64,18 @@ def interleaved(cases: dict[str, Callable[[], object]], repeat: int, warmup: int
 
 
 def machine() -> str:
+    """The machine in one line, its CPU's model named: tables from different VMs compare only by that (the cost
+    of subnormal floats in matrix products, say, differs several-fold between CPU models)."""
     import os
 
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+    return (f"{platform.machine()} {cpu_model() or platform.processor()}, {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it ('' elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
