@@ -212,8 +212,8 @@ def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, fwd: Forward,
               known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], padded: bool,
               no_ops: bool) -> None:
     """The states after the wanted positions not yet known, each row's from its base (where it was written, or
-    the forward's last chunk boundary): the state after the last token is the forward call's final state once
-    it has run to its end; the others come from side calls over each prefix, left-aligned
+    the call's start): the state after the last token is the forward call's final state once it has run to its
+    end; the others come from side calls over each prefix, left-aligned
     (zeros after a part leave its state as it was) and sharing a call where that costs no extra chunk
     (`padded`: the kernel pads to whole chunks itself, so the part's bits are those of its call alone), else
     where their lengths are equal; `no_ops`: the side call is `deltarule.final_state`, where a part's tokens after
