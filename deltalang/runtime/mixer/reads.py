@@ -97,66 +97,40 @@ class _Rows:
 
 
 class Forward:
-    """The forward's own call over every row, run whole the first time a read needs it (the bits it has without
-    the trace); rows written leave it, their outputs after the write and final states replaced. `state` is the
-    state after `done` (all rows)."""
+    """The forward's own call over every row and token, run once as it runs without the trace (its bits): `out`
+    the head outputs, `state` the final state. Rows written leave it, their outputs after the write and their
+    final states replaced."""
 
     def __init__(self, fn: Callable[..., Any], inputs: Inputs, initial: torch.Tensor | None, l2: bool) -> None:
-        self.fn, self.inputs, self.l2 = fn, inputs, l2
+        self.fn, self.inputs, self.l2, self.initial = fn, inputs, l2, initial
         self.b, self.s = inputs[0].shape[:2]
-        self.rows = list(range(self.b))  # the rows that follow the forward
-        self.initial, self.done, self.state = initial, 0, initial
-        self.out: torch.Tensor | None = None
+        self.out, self.state = _run(fn, inputs, list(range(self.b)), 0, self.s, initial, l2)
         self.finals: list[tuple[list[int], torch.Tensor]] = []  # the final states of rows that left
-
-    def run_to(self, end: int) -> None:
-        if end <= self.done or not self.rows:
-            return
-        whole = len(self.rows) == self.b
-        start = None if self.state is None else self.state if whole else self.state[self.rows]
-        out, state = _run(self.fn, self.inputs, self.rows, self.done, end, start, self.l2)
-        self.put(self.rows, self.done, out)
-        if not whole:  # a new tensor: a served state may be a view of the old one
-            state = (self.state.clone() if self.state is not None else state.new_zeros((self.b, *state.shape[1:]))
-                     ).index_copy_(0, torch.tensor(self.rows, device=state.device), state)
-        self.done, self.state = end, state
 
     def put(self, rows: list[int], a: int, out: torch.Tensor) -> None:
         """Rows' head outputs for tokens [a, a + out's length)."""
-        if self.out is None and a == 0 and out.shape[1] == self.s and len(rows) == self.b:
-            self.out = out  # the forward's call in one piece: its own tensor
-            return
-        if self.out is None:
-            self.out = out.new_empty((self.b, self.s, *out.shape[2:]))
         idx: Any = slice(None) if len(rows) == self.b else rows
         self.out[idx, a:a + out.shape[1]] = out
 
     def leave(self, rows: list[int], final: torch.Tensor) -> None:
-        """Rows written: the forward goes on without them; `final` is their state after the last token."""
-        self.rows = [r for r in self.rows if r not in rows]
+        """Rows written: `final` is their state after the last token."""
         self.finals.append((rows, final))
 
     def final_of(self, rows: list[int]) -> torch.Tensor:
-        """The state after the last token of rows (the forward run to its end)."""
-        self.run_to(self.s)
+        """The state after the last token of rows."""
         return torch.stack([self._final(r) for r in rows])
 
     def _final(self, r: int) -> torch.Tensor:
         for rows, final in reversed(self.finals):
             if r in rows:
                 return final[rows.index(r)]
-        assert self.state is not None
         return self.state[r]
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The head outputs and the final state of every row."""
-        self.run_to(self.s)
-        assert self.out is not None
         if not self.finals:
-            assert self.state is not None
             return self.out, self.state
-        like = self.finals[0][1]
-        final = like.new_zeros((self.b, *like.shape[1:])) if self.state is None else self.state.clone()
+        final = self.state.clone()
         for rows, last in self.finals:
             final[rows] = last.to(final.dtype)
         return self.out, final
@@ -178,7 +152,6 @@ def serve_reads(call: DeltaRuleCall, fwd: Forward, step: int
         if not asked:
             break
         p = min(asked)
-        fwd.run_to(s)
         wanted = {p: {r for n in names for r in _rows_of(n, invokes, every)} for p, names in asked.items()}
         _prefetch(book, side, inputs, fwd, known, wanted, padded, no_ops)  # every request parked now, together
         for name in call._names_at("state_after", step, p):
@@ -212,8 +185,7 @@ def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, fwd: Forward,
               known: dict[tuple[int, int], torch.Tensor], wanted: dict[int, set[int]], padded: bool,
               no_ops: bool) -> None:
     """The states after the wanted positions not yet known, each row's from its base (where it was written, or
-    the call's start): the state after the last token is the forward call's final state once it has run to its
-    end; the others come from side calls over each prefix, left-aligned
+    the call's start): the state after the last token is the forward call's final state; the others come from side calls over each prefix, left-aligned
     (zeros after a part leave its state as it was) and sharing a call where that costs no extra chunk
     (`padded`: the kernel pads to whole chunks itself, so the part's bits are those of its call alone), else
     where their lengths are equal; `no_ops`: the side call is `deltarule.final_state`, where a part's tokens after
@@ -221,7 +193,7 @@ def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, fwd: Forward,
     parts: list[tuple[list[int], int, int]] = []
     for p, rows in sorted(wanted.items()):
         todo = sorted(r for r in rows if (p, r) not in known)
-        if p == book.s - 1 and todo and fwd.done == book.s:
+        if p == book.s - 1 and todo:
             known.update(((p, r), x) for r, x in zip(todo, fwd.final_of(todo)))
             continue
         parts += [(group, a, p + 1) for a, group in book.by_base(todo).items()]
@@ -240,9 +212,9 @@ def _prefetch(book: _Rows, side: SideCall, inputs: Inputs, fwd: Forward,
 
 def _side_call(call: DeltaRuleCall, fn: Callable[..., Any], l2: bool) -> tuple[SideCall, bool]:
     """The final state of a side call `(q, k, v, g, beta, start) -> state`: behind transformers' own chunked torch
-    kernel of the gated delta rule, only its state's half (`deltarule.final_state`, the same bits); else the
-    kernel itself (FLA's, KDA's, a routed one), its outputs unused; and whether it is the state's half. Decided
-    once per forward call."""
+    kernel of the gated delta rule, only its state's half (`deltarule.final_state`, its final state within float32
+    rounding); else the kernel itself (FLA's, KDA's, a routed one), its outputs unused; and whether it is the
+    state's half. Decided once per forward call."""
     fam, b = call.family, kernels.backend(call.family, call.family.chunk_kernel)
     torch_only = fn is b.reference or (b.compiled is None and fn is b.fn)  # transformers' own torch function
     if not fam.per_channel_decay and torch_only and fn is not b.compiled:
@@ -311,7 +283,7 @@ def _written(book: _Rows, fwd: Forward, rows: list[int], p: int, new: torch.Tens
     written state, the kernel runs on from p+1 from it."""
     inputs, fn, l2 = fwd.inputs, fwd.fn, fwd.l2
     read = kernels.read_state(call.family, inputs[0][rows, p], new, inputs[2].shape[2], l2)
-    fwd.put(rows, p, read[:, None].to(fwd.out.dtype if fwd.out is not None else read.dtype))
+    fwd.put(rows, p, read[:, None].to(fwd.out.dtype))
     if p + 1 < book.s:
         tail, last = _run(fn, inputs, rows, p + 1, book.s, new, l2)
         fwd.put(rows, p + 1, tail)

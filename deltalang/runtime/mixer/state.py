@@ -90,7 +90,6 @@ class DeltaRuleCall(Requests):
         elif read_only(self):  # the unchanged call, whole; the states asked for beside it
             forward = Forward(fn, (query, key, value, g, beta), initial, l2)
             if self.wants("states"):  # served before any write: the last is the whole call's final state
-                forward.run_to(s)
                 self._serve_states(step, (query, key, value, g, beta), initial, l2, forward.state)
             out, state, self.row_segments = serve_reads(self, forward, step)
         else:
